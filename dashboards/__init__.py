@@ -1,0 +1,1 @@
+"""Dashboards: viewers of recorded runs, installed as ``gradwatch.dashboards``."""

@@ -1,0 +1,41 @@
+"""Aggregate: per-parameter numbers into per-layer numbers, on the host with numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradwatch.records import Layout
+
+
+class Aggregator:
+    """Combines parameter-level vectors into layer-level vectors for one layout.
+
+    A layer's value is NaN when none of its parameters has a value (``has`` is False for all),
+    so "no gradient" stays distinguishable from a real non-finite gradient, which propagates.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        own = np.asarray(layout.owners, dtype=np.int64).reshape(-1, 2)
+        self._layer, self._param = own[:, 0], own[:, 1]
+        self._n = len(layout.layers)
+
+    def _count(self, has: np.ndarray) -> np.ndarray:
+        return np.bincount(self._layer, weights=has[self._param].astype(np.float64), minlength=self._n)
+
+    def norm(self, norms: np.ndarray, has: np.ndarray) -> np.ndarray:
+        """Layer L2 norm from parameter L2 norms: sqrt of the sum of squares."""
+        sq = np.where(has, norms.astype(np.float64) ** 2, 0.0)
+        total = np.bincount(self._layer, weights=sq[self._param], minlength=self._n)
+        return np.where(self._count(has) > 0, np.sqrt(total), np.nan)
+
+    def sum(self, values: np.ndarray, has: np.ndarray) -> np.ndarray:
+        """Layer sum of parameter values."""
+        v = np.where(has, values.astype(np.float64), 0.0)
+        total = np.bincount(self._layer, weights=v[self._param], minlength=self._n)
+        return np.where(self._count(has) > 0, total, np.nan)
+
+    def max(self, values: np.ndarray, has: np.ndarray) -> np.ndarray:
+        """Layer maximum of parameter values (NaN propagates)."""
+        out = np.full(self._n, -np.inf)
+        np.maximum.at(out, self._layer, np.where(has, values.astype(np.float64), -np.inf)[self._param])
+        return np.where(self._count(has) > 0, out, np.nan)

@@ -1,0 +1,28 @@
+"""Errors: the exceptions gradwatch raises at its boundaries, each with one clear message."""
+
+from __future__ import annotations
+
+
+class GradwatchError(Exception):
+    """Base class of every error gradwatch raises on purpose."""
+
+
+class ConfigError(GradwatchError, ValueError):
+    """Invalid options, rules or configuration given to gradwatch."""
+
+
+class RunError(GradwatchError):
+    """A run directory that cannot be created, written, found or read."""
+
+
+class SchemaError(RunError):
+    """A run store written by a newer gradwatch than the one reading it."""
+
+
+class TrainingHalted(RuntimeError):
+    """Raised from ``optimizer.step()`` when a rule halts training, before the update is applied."""
+
+    def __init__(self, message: str, *, step: int | None = None, finding: object | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.finding = finding

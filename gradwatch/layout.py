@@ -1,0 +1,105 @@
+"""Layout: discovers a model's layers and parameters, in model order, with stable names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from gradwatch.errors import ConfigError
+from gradwatch.records import Layout
+
+ROOT = "(root)"
+#: wrappers whose layer names are reported without their prefix
+_WRAPPER_ATTRS = ("_orig_mod", "module")
+
+#: output bounds of activations that saturate
+_BOUNDED: dict[type[nn.Module], tuple[float, float]] = {
+    nn.Sigmoid: (0.0, 1.0),
+    nn.Tanh: (-1.0, 1.0),
+    nn.Hardsigmoid: (0.0, 1.0),
+    nn.Softsign: (-1.0, 1.0),
+}
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside ``torch.compile`` / DistributedDataParallel / DataParallel wrappers."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def bounds(module: nn.Module) -> tuple[float, float] | None:
+    """Output bounds of a saturating activation module, else None."""
+    if isinstance(module, nn.Hardtanh):  # also ReLU6
+        return (float(module.min_val), float(module.max_val))
+    for cls, b in _BOUNDED.items():
+        if isinstance(module, cls):
+            return b
+    return None
+
+
+@dataclass
+class Discovered:
+    """A layout plus the torch objects its indices refer to."""
+
+    layout: Layout
+    params: list[nn.Parameter]
+    leaf_modules: list[tuple[int, nn.Module]]
+
+
+def discover(model: nn.Module, version: int) -> Discovered:
+    """Enumerate layers (modules owning parameters, and leaves) and parameters of a model.
+
+    Raises:
+        ConfigError: the model has no parameter that requires a gradient.
+    """
+    inner = unwrap(model)
+    params: list[nn.Parameter] = []
+    pnames: list[str] = []
+    index: dict[int, int] = {}
+    for name, p in inner.named_parameters():
+        index[id(p)] = len(params)
+        params.append(p)
+        pnames.append(name)
+    if not any(p.requires_grad for p in params):
+        what = "no parameters" if not params else "no parameter that requires grad (all are frozen)"
+        raise ConfigError(
+            f"{type(inner).__name__} has {what}; gradwatch watches gradients, so give gw.watch a model "
+            "with trainable parameters"
+        )
+    layers, types, numel, leaves, saturating, owners = [], [], [], [], [], []
+    leaf_modules: list[tuple[int, nn.Module]] = []
+    for name, module in inner.named_modules():
+        own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+        is_leaf = next(iter(module.children()), None) is None
+        if not own and not is_leaf:
+            continue
+        i = len(layers)
+        layers.append(name or ROOT)
+        types.append(type(module).__name__)
+        numel.append(sum(params[j].numel() for j in set(own)))
+        owners.extend((i, j) for j in dict.fromkeys(own))
+        if is_leaf:
+            leaves.append(i)
+            leaf_modules.append((i, module))
+            if bounds(module) is not None:
+                saturating.append(i)
+    layout = Layout(
+        version=version,
+        layers=tuple(layers),
+        layer_types=tuple(types),
+        layer_numel=tuple(numel),
+        params=tuple(pnames),
+        param_numel=tuple(p.numel() for p in params),
+        owners=tuple(owners),
+        leaves=tuple(leaves),
+        saturating=tuple(saturating),
+    )
+    return Discovered(layout, params, leaf_modules)

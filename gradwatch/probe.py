@@ -1,0 +1,122 @@
+"""Probe: attaches and detaches every hook gradwatch uses; hooks only launch device work.
+
+- a forward pre-hook on the root module marks the start of an iteration;
+- a post-accumulate-grad hook on one "sentinel" parameter notices backward passes, so that an
+  iteration whose gradients were dropped without an optimizer step (a GradScaler overflow) is
+  still counted as a step;
+- global optimizer step pre/post hooks mark the moment gradients are final and after the update;
+- forward hooks on leaf modules, attached only for sampled steps, launch activation reductions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from gradwatch.layout import bounds
+from gradwatch.stats import activation_stats
+
+
+def first_tensor(output: Any) -> torch.Tensor | None:
+    """The first floating-point tensor in a module output (tensor, tuple, list, dict, ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            t = first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+class Probe:
+    """Owns the hooks on one model; calls back into its watcher."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        on_forward: Callable[[], None],
+        on_step_pre: Callable[[torch.optim.Optimizer], None],
+        on_step_post: Callable[[torch.optim.Optimizer], None],
+        on_backward: Callable[[torch.Tensor], None],
+    ) -> None:
+        self._on_forward = on_forward
+        self._on_backward = on_backward
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._forward_pre),
+            register_optimizer_step_pre_hook(lambda opt, args, kwargs: on_step_pre(opt)),
+            register_optimizer_step_post_hook(lambda opt, args, kwargs: on_step_post(opt)),
+        ]
+        self._sentinel: RemovableHandle | None = None
+        self._act_handles: list[RemovableHandle] = []
+        #: (layer index, [norm, zeros(, saturated)], numel) for each leaf call since attach
+        self.activations: list[tuple[int, list[torch.Tensor], int]] = []
+
+    # ------------------------------------------------------------------ root
+    def _forward_pre(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._on_forward()
+
+    def watch_backward(self, param: nn.Parameter) -> None:
+        """Move the sentinel hook (which notices backward passes) to ``param``."""
+        if self._sentinel is not None:
+            self._sentinel.remove()
+        self._sentinel = param.register_post_accumulate_grad_hook(self._on_backward)
+
+    # ----------------------------------------------------------- activations
+    @property
+    def collecting(self) -> bool:
+        """Whether activation hooks are attached."""
+        return bool(self._act_handles)
+
+    def attach_activations(self, leaves: list[tuple[int, nn.Module]]) -> None:
+        """Attach forward hooks to leaf modules until :meth:`detach_activations`."""
+        if self._act_handles:
+            return
+        self.activations = []
+        for index, module in leaves:
+            hook = self._activation_hook(index, bounds(module))
+            self._act_handles.append(module.register_forward_hook(hook))
+
+    def _activation_hook(self, index: int, limits: tuple[float, float] | None) -> Callable[..., None]:
+        store = self.activations
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            out = first_tensor(output)
+            if out is not None:
+                store.append((index, activation_stats(out, limits), out.numel()))
+
+        return hook
+
+    def take_activations(self) -> list[tuple[int, list[torch.Tensor], int]]:
+        """Hand over the activation reductions collected so far and start a new list."""
+        taken = list(self.activations)
+        self.activations.clear()
+        return taken
+
+    def detach_activations(self) -> None:
+        """Remove the leaf forward hooks."""
+        for handle in self._act_handles:
+            handle.remove()
+        self._act_handles = []
+        self.activations.clear()
+
+    def detach(self) -> None:
+        """Remove every hook."""
+        self.detach_activations()
+        if self._sentinel is not None:
+            self._sentinel.remove()
+            self._sentinel = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

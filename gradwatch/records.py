@@ -1,0 +1,98 @@
+"""Records: the plain-data step record that flows from the statistics to the detectors and sinks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: per-layer (and per-parameter) gradient and parameter metrics
+GRAD_METRICS = ("grad_norm", "grad_max", "grad_nonfinite", "param_norm", "update_ratio")
+#: per-leaf-module activation metrics
+ACT_METRICS = ("act_norm", "act_zero_frac", "act_sat_frac")
+#: metrics measured on every step; the others only on sampled steps
+EVERY_STEP_METRICS = ("grad_norm", "grad_nonfinite")
+
+LAYER = "layer"
+PARAM = "param"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The fixed order of layers and parameters that every vector in a record follows.
+
+    Attributes:
+        version: increases each time the watched set of layers or parameters changes.
+        layers: module paths in model order (modules that own parameters, and leaf modules).
+        layer_types: class name of each layer's module.
+        layer_numel: number of parameter elements each layer owns directly.
+        params: qualified parameter names, each parameter once (tied parameters by first name).
+        param_numel: number of elements of each parameter.
+        owners: pairs (layer index, parameter index): which layers own which parameters.
+        leaves: indices of leaf layers (those with activation statistics).
+        saturating: indices of leaf layers whose outputs are bounded (sigmoid/tanh family).
+    """
+
+    version: int
+    layers: tuple[str, ...]
+    layer_types: tuple[str, ...]
+    layer_numel: tuple[int, ...]
+    params: tuple[str, ...]
+    param_numel: tuple[int, ...]
+    owners: tuple[tuple[int, int], ...]
+    leaves: tuple[int, ...]
+    saturating: tuple[int, ...] = ()
+
+    def names(self, scope: str) -> tuple[str, ...]:
+        """The entry names of a scope (``"layer"`` or ``"param"``)."""
+        return self.layers if scope == LAYER else self.params
+
+
+@dataclass
+class StepRecord:
+    """Everything measured at one optimizer step, as host-side numbers.
+
+    Attributes:
+        step: 0-based index of the optimizer step.
+        time: wall-clock time (seconds since the epoch) when the step's gradients were final.
+        layout: the layout the vectors follow.
+        scalars: global numbers: ``grad_norm``, ``loss``, ``lr`` and anything observed.
+        vectors: ``(scope, metric) -> float32 vector`` over the layout's layers or params;
+            NaN where a value does not exist (no gradient, leaf not called).
+        skipped: the step changed nothing (an overflow step skipped by a GradScaler, or a
+            skip action).
+        logged: per-layer vectors are written to the store for this step.
+        sampled: the costlier statistics were measured on this step.
+    """
+
+    step: int
+    time: float
+    layout: Layout
+    scalars: dict[str, float] = field(default_factory=dict)
+    vectors: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    skipped: bool = False
+    logged: bool = False
+    sampled: bool = False
+
+    def vector(self, metric: str, scope: str = LAYER) -> np.ndarray | None:
+        """One metric's vector, or None when it was not measured on this step."""
+        return self.vectors.get((scope, metric))
+
+
+def present(record: StepRecord, scope: str, metric: str) -> np.ndarray:
+    """Which entries of a vector hold a measured value (a real NaN gradient counts as measured).
+
+    A gradient metric exists where the parameter received a gradient (``grad_nonfinite`` is a
+    count, not NaN); an activation metric where the leaf ran (``act_zero_frac`` is not NaN); a
+    parameter norm where it was measured or where a gradient exists (NaN weights included).
+    """
+    values = record.vectors[(scope, metric)]
+    if metric == "act_sat_frac":
+        return ~np.isnan(values)
+    if metric in ACT_METRICS:
+        ref = record.vectors.get((scope, "act_zero_frac"), values)
+        return ~np.isnan(ref)
+    has_grad = ~np.isnan(record.vectors.get((scope, "grad_nonfinite"), values))
+    if metric == "param_norm":
+        return has_grad | ~np.isnan(values)
+    return has_grad

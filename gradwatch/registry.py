@@ -1,0 +1,201 @@
+"""Registry: ``gw.watch`` / ``gw.unwatch`` / ``gw.watcher`` and the weak map of watched models."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import sys
+import time
+import warnings
+import weakref
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from torch import nn
+
+from gradwatch.errors import ConfigError
+from gradwatch.layout import unwrap
+from gradwatch.options import Options
+from gradwatch.watcher import Watcher
+
+M = TypeVar("M")
+
+_watchers: weakref.WeakKeyDictionary[nn.Module, Watcher] = weakref.WeakKeyDictionary()
+_live: set[Watcher] = set()
+_crashed = False
+_installed = False
+
+
+def _keys(model: nn.Module) -> list[nn.Module]:
+    inner = unwrap(model)
+    return [model] if inner is model else [model, inner]
+
+
+def _default_run(model: nn.Module) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{type(unwrap(model)).__name__}"
+
+
+def _free_run_dir(run: Path) -> Path:
+    """``run``, or ``run-1``, ``run-2`` ... when this process is already writing into it."""
+    taken = {w.run_dir.resolve() for w in _live}
+    candidate, n = run, 0
+    while candidate.resolve() in taken:
+        n += 1
+        candidate = run.with_name(f"{run.name}-{n}")
+    if n:
+        warnings.warn(f"gradwatch: {str(run)!r} is in use by another watched model; writing to {str(candidate)!r}",
+                      stacklevel=3)
+    return candidate
+
+
+def _check_rules(rules: Any) -> None:
+    if rules not in ("default", None):
+        raise ConfigError(f"rules={rules!r} is not supported: use rules='default' or rules=None")
+
+
+def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: Any = "default",
+          log_every: int = 1, **options: Any) -> Any:
+    """Watch a model (or every instance of a Module class): one line, then an ordinary loop.
+
+    Args:
+        model_or_class: an ``nn.Module`` instance (returned as is, now watched), an
+            ``nn.Module`` subclass (every instance gets watched), or None to get a decorator.
+        run: run directory, created if missing; default ``runs/<timestamp>-<model class>``.
+        rules: ``"default"`` or None (detect and record only).
+        log_every: write full per-layer series every this many steps.
+        **options: further settings, see :class:`gradwatch.options.Options`.
+
+    Raises:
+        TypeError: the argument is not a module or a module class.
+        ConfigError: an option is invalid, or the model has no trainable parameter.
+        RunError: the run directory cannot be created or written.
+    """
+    opts = Options.from_kwargs(log_every=log_every, **options)
+    _check_rules(rules)
+    if model_or_class is None:
+        return lambda target: watch(target, run=run, rules=rules, log_every=log_every, **options)
+    if isinstance(model_or_class, type) and issubclass(model_or_class, nn.Module):
+        return _watch_class(model_or_class, run, rules, opts)
+    if not isinstance(model_or_class, nn.Module):
+        raise TypeError(
+            f"gw.watch expects a torch.nn.Module instance or subclass, got {type(model_or_class).__name__}; "
+            "pass the model itself, e.g. gw.watch(model, run='runs/exp1')"
+        )
+    model = model_or_class
+    existing = _find(model)
+    if existing is not None:
+        if run is not None and Path(run).resolve() != existing.run_dir.resolve():
+            warnings.warn(f"gradwatch: this model is already watched into {str(existing.run_dir)!r}; "
+                          f"ignoring run={str(run)!r}", stacklevel=2)
+        return model
+    run_dir = _free_run_dir(Path(run) if run is not None else _default_run(model))
+    watcher_ = Watcher(model, run_dir, opts, rules)
+    for key in _keys(model):
+        _watchers[key] = watcher_
+    _live.add(watcher_)
+    _install_exit_handlers()
+    return model
+
+
+def _watch_class(cls: type[nn.Module], run: str | Path | None, rules: Any, opts: Options) -> type[nn.Module]:
+    """Wrap ``cls.__init__`` so that each instance is watched once its outermost ``__init__`` ends.
+
+    Watching is deferred to the instance's first forward call (or first :func:`watcher` call),
+    so that subclasses which add modules after ``super().__init__()`` are watched whole.
+    """
+    original = cls.__init__
+    kwargs = {k: getattr(opts, k) for k in opts.to_dict() if k != "sample_every"}
+    kwargs["sample_every"] = opts.sample_every
+
+    start = functools.partial(watch, run=run, rules=rules, **kwargs)
+
+    @functools.wraps(original)
+    def __init__(self: nn.Module, *args: Any, **kw: Any) -> None:
+        original(self, *args, **kw)
+        if self not in _pending and _find(self) is None:
+            _pending[self] = (self.register_forward_pre_hook(_first_forward), start)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+#: instances of decorated classes not yet watched: module -> (forward pre-hook handle, watch call)
+_pending: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _start_pending(module: nn.Module) -> Watcher | None:
+    entry = _pending.pop(module, None)
+    if entry is None:
+        return None
+    handle, start = entry
+    handle.remove()
+    start(module)
+    return _find(module)
+
+
+def _first_forward(module: nn.Module, inputs: Any) -> None:
+    started = _start_pending(module)
+    if started is not None:
+        started._forward_started()  # the watcher's own hook joins from the next call on
+
+
+def _find(model: nn.Module) -> Watcher | None:
+    for key in _keys(model):
+        found = _watchers.get(key)
+        if found is not None and not found.closed:
+            return found
+    return None
+
+
+def watcher(model: nn.Module) -> Watcher:
+    """The :class:`Watcher` of a watched model.
+
+    Raises:
+        ConfigError: the model is not watched.
+    """
+    if isinstance(model, nn.Module):
+        _start_pending(model)  # an instance of a decorated class not run yet: watch it now
+    found = _find(model) if isinstance(model, nn.Module) else None
+    if found is None:
+        raise ConfigError("this model is not watched; call gw.watch(model) first")
+    return found
+
+
+def unwatch(model: nn.Module) -> None:
+    """Close the model's watcher and remove every hook; the model is left exactly as before."""
+    entry = _pending.pop(model, None) if isinstance(model, nn.Module) else None
+    if entry is not None:
+        entry[0].remove()
+    found = _find(model) if isinstance(model, nn.Module) else None
+    if found is not None:
+        found.close()
+
+
+def forget(watcher_: Watcher) -> None:
+    """Drop a closed watcher from the registry (called by :meth:`Watcher.close`)."""
+    _live.discard(watcher_)
+    for key, value in list(_watchers.items()):
+        if value is watcher_:
+            del _watchers[key]
+
+
+def _close_all() -> None:
+    for w in list(_live):
+        w.close("crashed" if _crashed else None)
+
+
+def _install_exit_handlers() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    atexit.register(_close_all)
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        global _crashed
+        _crashed = True
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook

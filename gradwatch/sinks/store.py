@@ -1,0 +1,24 @@
+"""Store sink: step records into the run's SQLite store."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from gradwatch.records import StepRecord
+from gradwatch.store.writer import StoreWriter
+
+
+class Store:
+    """Writes records to the run store created by :func:`gradwatch.store.create_store`."""
+
+    def __init__(self, db: Path) -> None:
+        self._writer = StoreWriter(db)
+
+    def write(self, records: Sequence[StepRecord]) -> None:
+        """Append records in one transaction."""
+        self._writer.write(records)
+
+    def close(self, status: str) -> None:
+        """Write the final status and close the database."""
+        self._writer.close(status)

@@ -1,0 +1,92 @@
+"""Stats: turns tensors into numbers — device-side reductions, then one read to the host per step.
+
+Every function here only launches device work and returns tensors, except :func:`to_host`,
+which is the single place where values cross to the host. Nothing downstream sees a tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_INF = float("inf")
+
+
+def _dense(t: Tensor) -> Tensor:
+    return t.coalesce().values() if t.is_sparse else t
+
+
+def _foreach_norm(tensors: list[Tensor], ord: float) -> list[Tensor]:
+    try:
+        return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
+    except TypeError:  # torch < 2.4 has no dtype argument
+        return [n.float() for n in torch._foreach_norm(tensors, ord)]
+
+
+def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
+    """Vector norms of many tensors as 0-d float32 tensors, one fused call per device and dtype."""
+    out: list[Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype, t.is_sparse), []).append(i)
+    for (device, _, sparse), idx in groups.items():
+        group = [_dense(tensors[i]) for i in idx]
+        if ord == _INF and device.type == "cpu":
+            # on CPU a min/max pass is several times faster than the inf-norm kernel
+            result = [_max_abs_cpu(g) for g in group]
+        else:
+            result = _foreach_norm(group, ord)
+        for i, r in zip(idx, result):
+            out[i] = r
+    return out  # type: ignore[return-value]
+
+
+def _max_abs_cpu(t: Tensor) -> Tensor:
+    if t.numel() == 0:
+        return t.new_zeros((), dtype=torch.float32)
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(lo.abs(), hi.abs()).float()
+
+
+def max_abs(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Largest absolute value of each tensor (0-d float32 tensors)."""
+    if not tensors:
+        return []
+    return norms(tensors, _INF)
+
+
+def nonfinite_counts(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Number of NaN/Inf elements of each tensor (0-d tensors)."""
+    return [(~torch.isfinite(_dense(t))).sum() for t in tensors]
+
+
+def activation_stats(out: Tensor, bounds: tuple[float, float] | None) -> list[Tensor]:
+    """Device reductions of one activation: [L2 norm, number of zeros(, number saturated)].
+
+    An output counts as saturated when it lies within 1% of the output range from either
+    bound, e.g. sigmoid below 0.01 or above 0.99, tanh beyond +-0.98.
+    """
+    out = out.detach()
+    stats = [torch.linalg.vector_norm(out, dtype=torch.float32), (out == 0).sum()]
+    if bounds is not None:
+        lo, hi = bounds
+        mid, half = (lo + hi) / 2.0, (hi - lo) / 2.0
+        stats.append(((out - mid).abs() >= 0.98 * half).sum())
+    return stats
+
+
+def to_host(values: Sequence[Tensor]) -> np.ndarray:
+    """Copy 0-d tensors to the host as one float64 array: one synchronisation per device."""
+    if not values:
+        return np.zeros(0)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        by_device.setdefault(v.device, []).append(i)
+    result = np.empty(len(values), dtype=np.float64)
+    for device, idx in by_device.items():
+        stacked = torch.stack([values[i].reshape(()) for i in idx]).to(torch.float32)
+        result[idx] = stacked.cpu().numpy()
+    return result

@@ -1,0 +1,270 @@
+"""Store reader: ``gw.open_run(path)`` opens a run read-only and returns pandas views of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterable
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from gradwatch.errors import RunError, SchemaError
+from gradwatch.records import LAYER, PARAM
+from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION, unpack
+
+FINDING_COLUMNS = ["step", "kind", "severity", "layer", "phase", "message", "action", "data"]
+
+
+def open_run(path: str | os.PathLike[str]) -> Run:
+    """Open a run directory (or its ``gradwatch.sqlite``) for reading.
+
+    Raises:
+        RunError: the path does not exist, is not a gradwatch run, or its store is corrupted.
+        SchemaError: the run was written by a newer gradwatch.
+    """
+    return Run(path)
+
+
+class Run:
+    """A recorded run, read-only; safe to use while the training process is still writing it."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        p = Path(path)
+        db = p / DB_NAME if p.is_dir() else p
+        if not p.exists():
+            raise RunError(f"no run at {str(p)!r}: the path does not exist")
+        if not db.is_file() or (p.is_file() and p.name != DB_NAME and not _looks_like_sqlite(p)):
+            raise RunError(f"{str(p)!r} is not a gradwatch run: it holds no {DB_NAME}")
+        self.path = db.parent
+        self._db = db
+        try:
+            self._conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
+            version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+            rows = self._conn.execute("SELECT key, value FROM meta").fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise RunError(f"the run store {str(db)!r} is corrupted or unreadable: {exc}") from None
+        if version > SCHEMA_VERSION:
+            from gradwatch import __version__
+
+            raise SchemaError(
+                f"the run at {str(self.path)!r} was written with store schema {version}, newer than "
+                f"{SCHEMA_VERSION} which gradwatch {__version__} reads; upgrade gradwatch to read it"
+            )
+        self.meta: dict[str, Any] = {k: json.loads(v) for k, v in rows}
+
+    # ----------------------------------------------------------------- metadata
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, steps={self.steps}, status={self.status!r})"
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the database connection."""
+        self._conn.close()
+
+    def _query(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        try:
+            return self._conn.execute(sql, tuple(args)).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise RunError(f"the run store {str(self._db)!r} is corrupted or unreadable: {exc}") from None
+
+    @property
+    def status(self) -> str:
+        """``running``, ``finished``, ``halted``, or ``crashed`` (its writer died while running)."""
+        row = self._query("SELECT value FROM meta WHERE key = 'status'")
+        status = json.loads(row[0][0]) if row else "unknown"
+        if status == "running" and not _alive(self.meta.get("pid"), self.meta.get("host")):
+            return "crashed"
+        return str(status)
+
+    @property
+    def steps(self) -> int:
+        """How many optimizer steps the run recorded."""
+        return int(self._query("SELECT COUNT(*) FROM steps")[0][0])
+
+    def _latest_layout(self) -> int:
+        row = self._query("SELECT MAX(layout) FROM layouts")[0][0]
+        return int(row) if row is not None else 0
+
+    def _entries(self, layout: int, scope: str) -> list[str]:
+        rows = self._query(
+            "SELECT name FROM entries WHERE layout = ? AND scope = ? ORDER BY idx", (layout, scope)
+        )
+        return [r[0] for r in rows]
+
+    @property
+    def layers(self) -> list[str]:
+        """Layer names (module paths) in model order."""
+        return self._entries(self._latest_layout(), LAYER)
+
+    @property
+    def parameters(self) -> list[str]:
+        """Parameter names in model order."""
+        return self._entries(self._latest_layout(), PARAM)
+
+    def layer_info(self) -> pd.DataFrame:
+        """One row per layer: name, module type, parameter count, leaf flag (latest layout)."""
+        rows = self._query(
+            "SELECT name, type, numel, leaf FROM entries WHERE layout = ? AND scope = ? ORDER BY idx",
+            (self._latest_layout(), LAYER),
+        )
+        frame = pd.DataFrame(rows, columns=["layer", "type", "params", "leaf"])
+        frame["leaf"] = frame["leaf"].astype(bool)
+        return frame
+
+    # ------------------------------------------------------------------ metrics
+    def scalars(self, names: Iterable[str] | None = None) -> pd.DataFrame:
+        """Global per-step numbers (``grad_norm``, ``loss``, ``lr``, observed values), wide by step."""
+        sql, args = "SELECT step, name, value FROM scalars", []
+        if names is not None:
+            names = list(names)
+            sql += f" WHERE name IN ({','.join('?' * len(names))})"
+            args = names
+        frame = pd.DataFrame(self._query(sql, args), columns=["step", "name", "value"], dtype=object)
+        if frame.empty:
+            return pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
+        frame["value"] = pd.to_numeric(frame["value"], errors="coerce").astype("float64")
+        wide = frame.pivot(index="step", columns="name", values="value")
+        wide.columns.name = None
+        wide.index = wide.index.astype("int64")
+        return wide.sort_index()
+
+    def step_info(self) -> pd.DataFrame:
+        """One row per step: time, logged, sampled, skipped."""
+        rows = self._query("SELECT step, time, logged, sampled, skipped FROM steps ORDER BY step")
+        frame = pd.DataFrame(rows, columns=["step", "time", "logged", "sampled", "skipped"])
+        for col in ("logged", "sampled", "skipped"):
+            frame[col] = frame[col].astype(bool)
+        return frame
+
+    def _vectors(self, scope: str, metrics: list[str] | None, steps: slice | None) -> Iterable[tuple[Any, ...]]:
+        sql = "SELECT metric, step, layout, codec, data, mask FROM vectors WHERE scope = ?"
+        args: list[Any] = [scope]
+        if metrics is not None:
+            sql += f" AND metric IN ({','.join('?' * len(metrics))})"
+            args += metrics
+        if steps is not None:
+            if steps.start is not None:
+                sql += " AND step >= ?"
+                args.append(steps.start)
+            if steps.stop is not None:
+                sql += " AND step < ?"
+                args.append(steps.stop)
+        return self._query(sql + " ORDER BY metric, step", args)
+
+    def metrics(
+        self,
+        metrics: Iterable[str] | str | None = None,
+        layers: Iterable[str] | str | None = None,
+        steps: slice | None = None,
+        *,
+        per_parameter: bool = False,
+        include_global: bool = True,
+    ) -> pd.DataFrame:
+        """Long-format metrics: one row per (step, layer, metric) with its value.
+
+        Args:
+            metrics: metric names to keep (default: all), e.g. ``"grad_norm"``.
+            layers: layer names to keep (default: all).
+            steps: a ``slice(start, stop)`` of steps to read (default: all).
+            per_parameter: also return per-parameter rows, whose ``layer`` is the qualified
+                parameter name (``fc1.weight``).
+            include_global: include the global scalars (``grad_norm``, ``loss``, ``lr`` ...)
+                as rows whose ``layer`` is None.
+
+        Returns:
+            DataFrame with columns ``step``, ``layer``, ``metric``, ``value``.
+        """
+        wanted_metrics = [metrics] if isinstance(metrics, str) else (list(metrics) if metrics else None)
+        wanted_layers = {layers} if isinstance(layers, str) else (set(layers) if layers else None)
+        frames = []
+        names_cache: dict[tuple[int, str], np.ndarray] = {}
+        for scope in (LAYER, PARAM) if per_parameter else (LAYER,):
+            for metric, step, layout, codec, data, mask in self._vectors(scope, wanted_metrics, steps):
+                key = (layout, scope)
+                if key not in names_cache:
+                    names_cache[key] = np.array(self._entries(layout, scope), dtype=object)
+                names = names_cache[key]
+                values, present = unpack(codec, data, mask, len(names))
+                keep = present if wanted_layers is None else present & np.isin(names, list(wanted_layers))
+                frames.append(
+                    pd.DataFrame(
+                        {"step": step, "layer": names[keep], "metric": metric, "value": values[keep].astype("float64")}
+                    )
+                )
+        if include_global and wanted_layers is None:
+            long = self.scalars(wanted_metrics).reset_index().melt(id_vars="step", var_name="metric")
+            if steps is not None:
+                lo = steps.start if steps.start is not None else -1
+                hi = steps.stop if steps.stop is not None else np.inf
+                long = long[(long["step"] >= lo) & (long["step"] < hi)]
+            long = long.dropna(subset=["value"]) if not long.empty else long
+            long.insert(1, "layer", None)
+            frames.append(long[["step", "layer", "metric", "value"]])
+        frames = [f for f in frames if not f.empty]
+        if not frames:
+            return pd.DataFrame({"step": pd.Series(dtype="int64"), "layer": pd.Series(dtype=object),
+                                 "metric": pd.Series(dtype=object), "value": pd.Series(dtype="float64")})
+        out = pd.concat(frames, ignore_index=True)
+        out["step"] = out["step"].astype("int64")
+        out["value"] = out["value"].astype("float64")
+        return out.sort_values(["step", "metric"], kind="stable", ignore_index=True)
+
+    def matrix(self, metric: str, *, scope: str = LAYER) -> pd.DataFrame:
+        """One metric as a steps x layers table (NaN where not measured), for heatmaps."""
+        rows = list(self._vectors(scope, [metric], None))
+        layout = self._latest_layout()
+        names = self._entries(layout, scope)
+        position = {n: i for i, n in enumerate(names)}
+        data = np.full((len(rows), len(names)), np.nan, dtype=np.float32)
+        index = []
+        for r, (_, step, lay, codec, blob, mask) in enumerate(rows):
+            lay_names = names if lay == layout else self._entries(lay, scope)
+            values, present = unpack(codec, blob, mask, len(lay_names))
+            values = np.where(present, values, np.nan)
+            if lay == layout:
+                data[r] = values
+            else:
+                for name, v in zip(lay_names, values):
+                    if name in position:
+                        data[r, position[name]] = v
+            index.append(step)
+        return pd.DataFrame(data, index=pd.Index(index, name="step", dtype="int64"), columns=names)
+
+    # ----------------------------------------------------------------- findings
+    def findings(self) -> pd.DataFrame:
+        """Findings in step order: step, kind, severity, layer, phase, message, action, data."""
+        rows = self._query(f"SELECT {', '.join(FINDING_COLUMNS)} FROM findings ORDER BY step, id")
+        frame = pd.DataFrame(rows, columns=FINDING_COLUMNS)
+        frame["data"] = [json.loads(d) if d else {} for d in frame["data"]]
+        frame["step"] = frame["step"].astype("int64")
+        return frame
+
+
+def _looks_like_sqlite(path: Path) -> bool:
+    with path.open("rb") as fh:
+        return fh.read(16) == b"SQLite format 3\x00"
+
+
+def _alive(pid: Any, host: Any) -> bool:
+    """Whether the writer process still runs (unknown hosts count as alive)."""
+    import platform
+
+    if not isinstance(pid, int) or host != platform.node():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

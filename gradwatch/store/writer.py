@@ -1,0 +1,149 @@
+"""Store writer: creates a run's SQLite store and appends step records in batched transactions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gradwatch.errors import RunError
+from gradwatch.records import LAYER, PARAM, Layout, StepRecord, present
+from gradwatch.store.schema import DB_NAME, DDL, SCHEMA_VERSION, pack
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def create_store(run_dir: Path, meta: Mapping[str, Any], *, overwrite: bool) -> Path:
+    """Create (or, with ``overwrite``, replace) the store of a run; raise RunError if impossible.
+
+    Runs in the caller's thread, before any training state is touched, so that a run path that
+    cannot be created or written fails at ``gw.watch`` with a clear message.
+    """
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunError(
+            f"cannot create run directory {str(run_dir)!r}: {exc.strerror or exc}; "
+            "pass run= a directory you can write to"
+        ) from None
+    db = run_dir / DB_NAME
+    if db.exists():
+        if not overwrite:
+            raise RunError(
+                f"run directory {str(run_dir)!r} already holds a run; pass a new run= path, "
+                "or overwrite=True to replace it"
+            )
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        for old in run_dir.glob("events.out.tfevents.*"):
+            old.unlink()
+    try:
+        conn = _connect(db)
+        with conn:
+            conn.executescript(DDL)
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            rows = {"schema_version": SCHEMA_VERSION, "status": "running", **meta}
+            conn.executemany(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                [(k, json.dumps(v)) for k, v in rows.items()],
+            )
+        conn.close()
+    except sqlite3.Error as exc:
+        raise RunError(f"cannot write the run store in {str(run_dir)!r}: {exc}") from None
+    return db
+
+
+class StoreWriter:
+    """Appends records to a store; used only from the writer thread."""
+
+    def __init__(self, db: Path) -> None:
+        self._conn = _connect(db)
+        self._layouts: set[int] = set()
+
+    def write(self, records: Iterable[StepRecord]) -> None:
+        """Write a batch of records in one transaction."""
+        steps, scalars, vectors = [], [], []
+        conn = self._conn
+        conn.execute("BEGIN")
+        try:
+            for rec in records:
+                if rec.layout.version not in self._layouts:
+                    self._write_layout(rec.layout, rec.step)
+                steps.append((rec.step, rec.time, rec.layout.version, rec.logged, rec.sampled, rec.skipped))
+                scalars.extend((k, rec.step, _real(v)) for k, v in rec.scalars.items())
+                if rec.logged:
+                    for (scope, metric), values in rec.vectors.items():
+                        codec, data, mask = pack(values, present(rec, scope, metric))
+                        vectors.append((scope, metric, rec.step, rec.layout.version, codec, data, mask))
+            conn.executemany("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?)", steps)
+            conn.executemany("INSERT OR REPLACE INTO scalars VALUES (?, ?, ?)", scalars)
+            conn.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?, ?, ?, ?, ?, ?)", vectors)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def _write_layout(self, layout: Layout, step: int) -> None:
+        leaves = set(layout.leaves)
+        rows = [
+            (layout.version, LAYER, i, name, typ, n, i in leaves)
+            for i, (name, typ, n) in enumerate(zip(layout.layers, layout.layer_types, layout.layer_numel))
+        ]
+        rows += [
+            (layout.version, PARAM, i, name, "Parameter", n, False)
+            for i, (name, n) in enumerate(zip(layout.params, layout.param_numel))
+        ]
+        self._conn.execute("INSERT OR IGNORE INTO layouts VALUES (?, ?)", (layout.version, step))
+        self._conn.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        self._layouts.add(layout.version)
+
+    def set_meta(self, **values: Any) -> None:
+        """Update run metadata (status, finish time ...)."""
+        with self._conn:
+            self._conn.executemany(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                [(k, json.dumps(v)) for k, v in values.items()],
+            )
+
+    def close(self, status: str) -> None:
+        """Record the final status and leave a single, self-contained database file."""
+        self.set_meta(status=status, finished=time.time())
+        try:
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._conn.execute("PRAGMA journal_mode=DELETE")
+        except sqlite3.OperationalError:
+            pass  # a reader holds the WAL open; it stays in WAL mode, which readers handle too
+        self._conn.close()
+
+
+def _real(value: float) -> float | None:
+    """SQLite stores NaN as NULL; keep infinities, map NaN to a NULL the reader turns back into NaN."""
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def default_meta() -> dict[str, Any]:
+    """Metadata every run records about the process that wrote it."""
+    import platform
+
+    import torch
+
+    from gradwatch import __version__
+
+    return {
+        "gradwatch_version": __version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "host": platform.node(),
+        "pid": os.getpid(),
+        "created": time.time(),
+    }

@@ -1,0 +1,368 @@
+"""Watcher: the per-model step lifecycle — hooks in, one host read per step, records out."""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradwatch import stats
+from gradwatch.aggregate import Aggregator
+from gradwatch.layout import discover, unwrap
+from gradwatch.options import Options
+from gradwatch.probe import Probe
+from gradwatch.records import LAYER, PARAM, StepRecord
+from gradwatch.sinks.store import Store
+from gradwatch.store.writer import create_store, default_meta
+from gradwatch.writer import Writer
+
+log = logging.getLogger("gradwatch")
+
+
+@dataclass
+class _OptEntry:
+    count: int  # parameters the optimizer held when indexed
+    indices: list[int]  # our parameter indices that it holds
+
+
+@dataclass
+class _Open:
+    """The step between its optimizer pre-hook and the start of the next iteration."""
+
+    record: StepRecord
+    optimizers: set[int] = field(default_factory=set)
+    before: dict[int, torch.Tensor] = field(default_factory=dict)  # weights before the update
+    update_idx: list[int] = field(default_factory=list)
+    update_parts: list[torch.Tensor] = field(default_factory=list)  # ||delta w|| per parameter
+
+
+class Watcher:
+    """Watches one model: measures every optimizer step and streams records to the run.
+
+    Created by :func:`gradwatch.watch`; reach it with :func:`gradwatch.watcher`.
+    """
+
+    def __init__(self, model: nn.Module, run_dir: Path, options: Options, rules: Any = "default") -> None:
+        self.options = options
+        self.run_dir = run_dir
+        self.rules = rules
+        self.step = 0
+        self.closed = False
+        self._status = "finished"
+        self._model = weakref.ref(model)
+        self._compiled = type(model).__name__ == "OptimizedModule"
+        self._found = discover(model, version=1)
+        self._agg = Aggregator(self._found.layout)
+        self._index = {id(p): i for i, p in enumerate(self._found.params)}
+        inner = unwrap(model)
+        meta = {
+            **default_meta(),
+            "model": type(inner).__name__,
+            "parameters": int(sum(self._found.layout.param_numel)),
+            "trainable": int(sum(p.numel() for p in self._found.params if p.requires_grad)),
+            "options": options.to_dict(),
+            "rules": rules if isinstance(rules, (str, type(None))) else repr(rules),
+        }
+        db = create_store(run_dir, meta, overwrite=options.overwrite)
+        sinks: list[Any] = [Store(db)]
+        if options.tensorboard:
+            from gradwatch.sinks.tensorboard import TensorBoard
+
+            sinks.append(TensorBoard(run_dir))
+        self._writer = Writer(sinks, queue_size=options.queue_size, flush_seconds=options.flush_seconds, name=run_dir.name)
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptEntry] = weakref.WeakKeyDictionary()
+        self._observed: dict[str, list[Any]] = {}
+        self._open: _Open | None = None
+        self._pending: _Open | None = None
+        self._backward: tuple[int, int] | None = None
+        self._probe = Probe(
+            model,
+            on_forward=self._forward_started,
+            on_step_pre=self._step_pre,
+            on_step_post=self._step_post,
+            on_backward=self._backward_done,
+        )
+        self._sentinel = next(i for i, p in enumerate(self._found.params) if p.requires_grad)
+        self._probe.watch_backward(self._found.params[self._sentinel])
+
+    # ------------------------------------------------------------ public API
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """Layer names in model order."""
+        return self._found.layout.layers
+
+    def observe(self, **scalars: Any) -> None:
+        """Record extra scalars (``loss=``, ``lr=`` ...) for the step that follows.
+
+        Values may be Python numbers or one-element tensors (read with the step's single host
+        read, never here). Several values of one name before a step are averaged.
+        """
+        for name, value in scalars.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"observe({name}=...) needs a scalar, got a tensor of shape {tuple(value.shape)}")
+                value = value.detach()
+            elif not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise TypeError(f"observe({name}=...) needs a number or a one-element tensor, got {type(value).__name__}")
+            self._observed.setdefault(name, []).append(value)
+
+    def flush(self) -> None:
+        """Block until every step recorded so far is on disk."""
+        self._writer.flush()
+
+    def close(self, status: str | None = None) -> None:
+        """Write what is pending, detach every hook, and close the run (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._open is not None:
+                self._close_step()
+            if self._pending is not None:
+                self._resolve_pending(stats.to_host(self._pending.update_parts))
+        finally:
+            self._probe.detach()
+            self._writer.close(status or self._status)
+            from gradwatch import registry
+
+            registry.forget(self)
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.close("crashed" if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt) else None)
+
+    def __repr__(self) -> str:
+        return f"Watcher(run={str(self.run_dir)!r}, step={self.step}, closed={self.closed})"
+
+    # ----------------------------------------------------------- schedules
+    def _sampled(self, step: int) -> bool:
+        return step % self.options.sample_period == 0
+
+    def _logged(self, step: int) -> bool:
+        return step % self.options.log_every == 0
+
+    # ---------------------------------------------------------------- hooks
+    def _backward_done(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is not None:
+            self._backward = (id(grad), grad._version)
+
+    def _forward_started(self) -> None:
+        if self.closed:
+            return
+        if self._open is not None:
+            self._close_step()
+        if self._backward is not None:
+            grad = self._found.params[self._sentinel].grad
+            if grad is None or (id(grad), grad._version) != self._backward:
+                self._skipped_step()  # gradients were dropped without an optimizer step
+        if self.options.activations and not self._compiled and self._sampled(self.step):
+            self._probe.attach_activations(self._found.leaf_modules)
+
+    def _entry(self, opt: torch.optim.Optimizer) -> _OptEntry | None:
+        count = sum(len(g["params"]) for g in opt.param_groups)
+        entry = self._optimizers.get(opt)
+        if entry is None or entry.count != count:
+            indices = [self._index[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in self._index]
+            entry = _OptEntry(count, indices)
+            self._optimizers[opt] = entry
+        return entry if entry.indices else None
+
+    def _step_pre(self, opt: torch.optim.Optimizer) -> None:
+        if self.closed or self._entry(opt) is None:
+            return
+        if self._open is not None and id(opt) in self._open.optimizers:
+            self._close_step()  # the same optimizer steps again: a new iteration without a forward
+        if self._open is None:
+            self._open = self._begin_step(opt)
+        self._open.optimizers.add(id(opt))
+
+    def _step_post(self, opt: torch.optim.Optimizer) -> None:
+        step = self._open
+        if step is None or not step.before:
+            return
+        entry = self._entry(opt)
+        if entry is None:
+            return
+        idx = [i for i in entry.indices if i in step.before]
+        if idx:
+            before = [step.before.pop(i) for i in idx]
+            after = [self._found.params[i].detach() for i in idx]
+            step.update_idx += idx
+            step.update_parts += stats.norms(torch._foreach_sub(before, after))
+
+    # ------------------------------------------------------------ the step
+    def _observed_parts(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        observed, self._observed = self._observed, {}
+        parts = [v for values in observed.values() for v in values if isinstance(v, torch.Tensor)]
+        return observed, parts
+
+    def _observed_scalars(self, observed: dict[str, list[Any]], host: np.ndarray) -> dict[str, float]:
+        out, k = {}, 0
+        for name, values in observed.items():
+            nums = []
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    nums.append(float(host[k]))
+                    k += 1
+                else:
+                    nums.append(float(v))
+            out[name] = float(np.mean(nums))
+        return out
+
+    def _begin_step(self, opt: torch.optim.Optimizer) -> _Open:
+        step, now = self.step, time.time()
+        self.step += 1
+        self._backward = None
+        params, layout = self._found.params, self._found.layout
+        sampled = self._sampled(step)
+        gidx = [i for i, p in enumerate(params) if p.grad is not None]
+        grads = [params[i].grad for i in gidx]
+        observed, obs_parts = self._observed_parts()
+        lr = opt.param_groups[0].get("lr") if "lr" not in observed else None
+        pending = self._pending.update_parts if self._pending is not None else []
+        parts: list[torch.Tensor] = [*stats.norms(grads), *obs_parts, *pending]
+        if isinstance(lr, torch.Tensor):
+            parts.append(lr)
+        tidx: list[int] = []
+        acts: list[tuple[int, list[torch.Tensor], int]] = []
+        if sampled:
+            tidx = [i for i, p in enumerate(params) if p.requires_grad]
+            parts += stats.max_abs(grads)
+            parts += stats.norms([params[i].detach() for i in tidx])
+            acts = self._probe.take_activations()
+            parts += [t for _, values, _ in acts for t in values]
+        host = stats.to_host(parts)  # the one synchronisation of this step
+
+        n, k = len(gidx), 0
+        gnorm, k = host[:n], n
+        scalars = self._observed_scalars(observed, host[k:k + len(obs_parts)])
+        k += len(obs_parts)
+        if self._pending is not None:
+            self._resolve_pending(host[k:k + len(pending)])
+            k += len(pending)
+        if isinstance(lr, torch.Tensor):
+            scalars["lr"], k = float(host[k]), k + 1
+        elif isinstance(lr, numbers.Real):
+            scalars["lr"] = float(lr)
+        nonfinite = np.zeros(n)
+        bad = np.flatnonzero(~np.isfinite(gnorm))
+        if len(bad):  # rare: count the non-finite elements of the offending gradients
+            nonfinite[bad] = stats.to_host(stats.nonfinite_counts([grads[i] for i in bad]))
+
+        P = len(params)
+        pv = {m: np.full(P, np.nan) for m in ("grad_norm", "grad_nonfinite")}
+        pv["grad_norm"][gidx] = gnorm
+        pv["grad_nonfinite"][gidx] = nonfinite
+        has = ~np.isnan(pv["grad_nonfinite"])
+        lv = {
+            "grad_norm": self._agg.norm(pv["grad_norm"], has),
+            "grad_nonfinite": self._agg.sum(pv["grad_nonfinite"], has),
+        }
+        if sampled:
+            pv["grad_max"] = np.full(P, np.nan)
+            pv["grad_max"][gidx] = host[k:k + n]
+            k += n
+            pv["param_norm"] = np.full(P, np.nan)
+            pv["param_norm"][tidx] = host[k:k + len(tidx)]
+            k += len(tidx)
+            lv["grad_max"] = self._agg.max(pv["grad_max"], has)
+            lv["param_norm"] = self._agg.norm(pv["param_norm"], ~np.isnan(pv["param_norm"]))
+            lv.update(self._activation_vectors(acts, host[k:]))
+            if not self._sampled(step + 1):
+                self._probe.detach_activations()
+        total = float(np.sqrt(np.sum(gnorm.astype(np.float64) ** 2))) if n else math.nan
+        scalars = {"grad_norm": total, **scalars}
+        record = StepRecord(
+            step=step,
+            time=now,
+            layout=layout,
+            scalars=scalars,
+            vectors={**{(LAYER, m): v.astype(np.float32) for m, v in lv.items()},
+                     **{(PARAM, m): v.astype(np.float32) for m, v in pv.items()}},
+            logged=self._logged(step),
+            sampled=sampled,
+        )
+        opened = _Open(record)
+        if sampled and gidx:
+            copies = torch._foreach_mul([params[i].detach() for i in gidx], 1.0)
+            opened.before = dict(zip(gidx, copies))
+        return opened
+
+    def _activation_vectors(self, acts: list[tuple[int, list[torch.Tensor], int]], host: np.ndarray) -> dict[str, np.ndarray]:
+        L = len(self._found.layout.layers)
+        sumsq, zeros, sat, numel = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
+        k = 0
+        for index, values, count in acts:
+            sumsq[index] += host[k] ** 2
+            zeros[index] += host[k + 1]
+            if len(values) == 3:
+                sat[index] += host[k + 2]
+            numel[index] += count
+            k += len(values)
+        seen = numel > 0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = {
+                "act_norm": np.where(seen, np.sqrt(sumsq), np.nan),
+                "act_zero_frac": np.where(seen, zeros / numel, np.nan),
+                "act_sat_frac": np.full(L, np.nan),
+            }
+            bounded = np.zeros(L, dtype=bool)
+            bounded[list(self._found.layout.saturating)] = True
+            out["act_sat_frac"][seen & bounded] = (sat / numel)[seen & bounded]
+        return out
+
+    def _resolve_pending(self, host: np.ndarray) -> None:
+        """Complete the previous sampled step with its update norms and hand it to the writer."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        rec = pending.record
+        P = len(self._found.params)
+        delta = np.full(P, np.nan)
+        delta[pending.update_idx] = host
+        has = ~np.isnan(delta)
+        pnorm = rec.vectors[(PARAM, "param_norm")].astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rec.vectors[(PARAM, "update_ratio")] = (delta / pnorm).astype(np.float32)
+            layer_delta = self._agg.norm(delta, has)
+            layer_norm = rec.vectors[(LAYER, "param_norm")].astype(np.float64)
+            rec.vectors[(LAYER, "update_ratio")] = (layer_delta / layer_norm).astype(np.float32)
+        self._writer.submit(rec)
+
+    def _close_step(self) -> None:
+        step, self._open = self._open, None
+        assert step is not None
+        step.before.clear()
+        if step.update_parts:
+            self._pending = step
+        else:
+            self._writer.submit(step.record)
+
+    def _skipped_step(self) -> None:
+        """Record an iteration whose gradients were dropped without an optimizer step."""
+        step = self.step
+        self.step += 1
+        self._backward = None
+        self._probe.take_activations()
+        observed, obs_parts = self._observed_parts()
+        pending = self._pending.update_parts if self._pending is not None else []
+        host = stats.to_host([*obs_parts, *pending])
+        scalars = self._observed_scalars(observed, host[: len(obs_parts)])
+        if self._pending is not None:
+            self._resolve_pending(host[len(obs_parts):])
+        record = StepRecord(step=step, time=time.time(), layout=self._found.layout, scalars=scalars,
+                            skipped=True, logged=self._logged(step))
+        self._writer.submit(record)
+        if not self._sampled(self.step):
+            self._probe.detach_activations()
