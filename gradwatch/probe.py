@@ -1,9 +1,10 @@
 """Probe: attaches and detaches every hook gradwatch uses; hooks only launch device work.
 
-- a forward pre-hook on the root module marks the start of an iteration;
-- a post-accumulate-grad hook on one "sentinel" parameter notices backward passes, so that an
-  iteration whose gradients were dropped without an optimizer step (a GradScaler overflow) is
-  still counted as a step;
+- a forward pre-hook on the root module marks the start of an iteration, and a hook on the root
+  output's gradient marks the start of each backward pass;
+- a post-accumulate-grad hook on one "sentinel" parameter marks the end of each backward pass,
+  so that an iteration whose gradients were dropped without an optimizer step (a GradScaler
+  overflow) is still counted as a step;
 - global optimizer step pre/post hooks mark the moment gradients are final and after the update;
 - forward hooks on leaf modules, attached only for sampled steps, launch activation reductions.
 """
@@ -46,12 +47,15 @@ class Probe:
         on_forward: Callable[[], None],
         on_step_pre: Callable[[torch.optim.Optimizer], None],
         on_step_post: Callable[[torch.optim.Optimizer], None],
-        on_backward: Callable[[torch.Tensor], None],
+        on_backward_start: Callable[[], None],
+        on_backward_end: Callable[[torch.Tensor], None],
     ) -> None:
         self._on_forward = on_forward
-        self._on_backward = on_backward
+        self._on_backward_start = on_backward_start
+        self._on_backward_end = on_backward_end
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._forward_pre),
+            model.register_forward_hook(self._forward_post),
             register_optimizer_step_pre_hook(lambda opt, args, kwargs: on_step_pre(opt)),
             register_optimizer_step_post_hook(lambda opt, args, kwargs: on_step_post(opt)),
         ]
@@ -65,11 +69,20 @@ class Probe:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._on_forward()
 
+    def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            out = first_tensor(output)
+            if out is not None and out.requires_grad:
+                out.register_hook(self._output_grad)
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        self._on_backward_start()
+
     def watch_backward(self, param: nn.Parameter) -> None:
-        """Move the sentinel hook (which notices backward passes) to ``param``."""
+        """Move the sentinel hook (which marks the end of backward passes) to ``param``."""
         if self._sentinel is not None:
             self._sentinel.remove()
-        self._sentinel = param.register_post_accumulate_grad_hook(self._on_backward)
+        self._sentinel = param.register_post_accumulate_grad_hook(self._on_backward_end)
 
     # ----------------------------------------------------------- activations
     @property

@@ -83,13 +83,18 @@ class Watcher:
         self._observed: dict[str, list[Any]] = {}
         self._open: _Open | None = None
         self._pending: _Open | None = None
+        #: the sentinel's gradient (id, version) after the last backward since the last step
         self._backward: tuple[int, int] | None = None
+        #: observations and activations of an iteration that ended without a step, until the
+        #: next backward tells whether it was gradient accumulation or a dropped step
+        self._carry: tuple[dict[str, list[Any]], list[Any]] | None = None
         self._probe = Probe(
             model,
             on_forward=self._forward_started,
             on_step_pre=self._step_pre,
             on_step_post=self._step_post,
-            on_backward=self._backward_done,
+            on_backward_start=self._backward_started,
+            on_backward_end=self._backward_done,
         )
         self._sentinel = next(i for i, p in enumerate(self._found.params) if p.requires_grad)
         self._probe.watch_backward(self._found.params[self._sentinel])
@@ -163,12 +168,33 @@ class Watcher:
             return
         if self._open is not None:
             self._close_step()
-        if self._backward is not None:
-            grad = self._found.params[self._sentinel].grad
-            if grad is None or (id(grad), grad._version) != self._backward:
-                self._skipped_step()  # gradients were dropped without an optimizer step
+        if self._backward is not None and self._carry is None:
+            self._carry = (self._observed, self._probe.take_activations())
+            self._observed = {}
         if self.options.activations and not self._compiled and self._sampled(self.step):
             self._probe.attach_activations(self._found.leaf_modules)
+
+    def _backward_started(self) -> None:
+        if self.closed or self._backward is None:
+            return
+        grad = self._found.params[self._sentinel].grad
+        cleared = grad is None or (id(grad), grad._version) != self._backward
+        self._backward = None
+        if cleared:  # the previous iteration's gradients were dropped without an optimizer step
+            carry, self._carry = self._carry, None
+            self._skipped_step(carry[0] if carry else {})
+        else:
+            self._merge_carry()
+
+    def _merge_carry(self) -> None:
+        """The iteration that ended without a step was a micro-batch of gradient accumulation."""
+        if self._carry is None:
+            return
+        (observed, acts), self._carry = self._carry, None
+        for name, values in self._observed.items():
+            observed.setdefault(name, []).extend(values)
+        self._observed = observed
+        self._probe.activations[:0] = acts
 
     def _entry(self, opt: torch.optim.Optimizer) -> _OptEntry | None:
         count = sum(len(g["params"]) for g in opt.param_groups)
@@ -225,6 +251,9 @@ class Watcher:
         step, now = self.step, time.time()
         self.step += 1
         self._backward = None
+        self._merge_carry()
+        if step == 0 and self._found.params[self._sentinel].grad is None:
+            self._move_sentinel()
         params, layout = self._found.params, self._found.layout
         sampled = self._sampled(step)
         gidx = [i for i, p in enumerate(params) if p.grad is not None]
@@ -349,13 +378,19 @@ class Watcher:
         else:
             self._writer.submit(step.record)
 
-    def _skipped_step(self) -> None:
+    def _move_sentinel(self) -> None:
+        """Put the sentinel on a parameter that does receive gradients."""
+        for i, p in enumerate(self._found.params):
+            if p.grad is not None:
+                self._sentinel = i
+                self._probe.watch_backward(p)
+                return
+
+    def _skipped_step(self, observed: dict[str, list[Any]]) -> None:
         """Record an iteration whose gradients were dropped without an optimizer step."""
         step = self.step
         self.step += 1
-        self._backward = None
-        self._probe.take_activations()
-        observed, obs_parts = self._observed_parts()
+        obs_parts = [v for values in observed.values() for v in values if isinstance(v, torch.Tensor)]
         pending = self._pending.update_parts if self._pending is not None else []
         host = stats.to_host([*obs_parts, *pending])
         scalars = self._observed_scalars(observed, host[: len(obs_parts)])

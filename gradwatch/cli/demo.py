@@ -1,0 +1,52 @@
+"""CLI ``gradwatch demo``: train the built-in model and print a summary of its run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gradwatch.cli import cli
+from gradwatch.store.reader import open_run
+from gradwatch.summary import Summary, summarize
+
+
+@cli.command()
+@click.option("--run", "run_dir", default="runs/demo", show_default=True, type=click.Path(path_type=Path),
+              help="Run directory to write (replaced if it exists).")
+@click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1), help="Optimizer steps to train.")
+def demo(run_dir: Path, steps: int) -> None:
+    """Train a small built-in model with gradwatch attached and summarise its run."""
+    from gradwatch.demo import run_demo
+
+    console = Console()
+    with console.status(f"training the demo model for {steps} steps ..."):
+        path = run_demo(run_dir, steps=steps)
+    with open_run(path) as run:
+        render(console, path, summarize(run))
+    console.print(f"\nTensorBoard:  tensorboard --logdir {path.parent}")
+    console.print(f"In Python:    gw.open_run({str(path)!r}).metrics()")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def render(console: Console, path: Path, summary: Summary) -> None:
+    """Print a run summary as rich tables."""
+    head = Table(title=f"gradwatch run {path}", show_header=False, title_justify="left")
+    head.add_row("steps", str(summary.steps))
+    head.add_row("status", summary.status)
+    head.add_row("global grad norm", f"{_fmt(summary.grad_norm_min)} .. {_fmt(summary.grad_norm_max)}")
+    head.add_row("loss (first -> last)", f"{_fmt(summary.loss_first)} -> {_fmt(summary.loss_last)}")
+    console.print(head)
+    for title, rows in (("smallest gradients", summary.smallest()), ("largest gradients", summary.largest())):
+        table = Table(title=f"layers with the {title} (median grad norm)", title_justify="left")
+        table.add_column("layer")
+        table.add_column("type")
+        table.add_column("grad norm", justify="right")
+        for row in rows.itertuples():
+            table.add_row(row.layer, row.type, _fmt(row.grad_norm))
+        console.print(table)
