@@ -200,10 +200,31 @@ class Watcher:
         count = sum(len(g["params"]) for g in opt.param_groups)
         entry = self._optimizers.get(opt)
         if entry is None or entry.count != count:
-            indices = [self._index[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in self._index]
-            entry = _OptEntry(count, indices)
+            held = [p for g in opt.param_groups for p in g["params"]]
+            if entry is not None and any(id(p) not in self._index for p in held):
+                self._refresh_layout()  # parameters were added to the model and the optimizer
+            entry = _OptEntry(count, [self._index[id(p)] for p in held if id(p) in self._index])
             self._optimizers[opt] = entry
         return entry if entry.indices else None
+
+    def _refresh_layout(self) -> None:
+        """Re-discover the model's layers; a changed set gets a new layout version."""
+        model = self._model()
+        if model is None:
+            return
+        found = discover(model, version=self._found.layout.version + 1)
+        if (found.layout.layers, found.layout.params) == (self._found.layout.layers, self._found.layout.params):
+            return
+        if self._open is not None:
+            self._close_step()
+        if self._pending is not None:
+            self._resolve_pending(stats.to_host(self._pending.update_parts))
+        self._probe.detach_activations()
+        self._found, self._agg = found, Aggregator(found.layout)
+        self._index = {id(p): i for i, p in enumerate(found.params)}
+        self._optimizers = weakref.WeakKeyDictionary()
+        self._sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
+        self._probe.watch_backward(found.params[self._sentinel])
 
     def _step_pre(self, opt: torch.optim.Optimizer) -> None:
         if self.closed or self._entry(opt) is None:
@@ -357,7 +378,7 @@ class Watcher:
         pending, self._pending = self._pending, None
         assert pending is not None
         rec = pending.record
-        P = len(self._found.params)
+        P = len(rec.layout.params)
         delta = np.full(P, np.nan)
         delta[pending.update_idx] = host
         has = ~np.isnan(delta)

@@ -36,14 +36,16 @@ def _fmt(value: float) -> str:
 
 def render(console: Console, path: Path, summary: Summary) -> None:
     """Print a run summary as rich tables."""
-    head = Table(title=f"gradwatch run {path}", show_header=False, title_justify="left")
+    console.print(f"[bold]gradwatch run[/bold] {path}")
+    head = Table(show_header=False)
     head.add_row("steps", str(summary.steps))
     head.add_row("status", summary.status)
     head.add_row("global grad norm", f"{_fmt(summary.grad_norm_min)} .. {_fmt(summary.grad_norm_max)}")
     head.add_row("loss (first -> last)", f"{_fmt(summary.loss_first)} -> {_fmt(summary.loss_last)}")
     console.print(head)
     for title, rows in (("smallest gradients", summary.smallest()), ("largest gradients", summary.largest())):
-        table = Table(title=f"layers with the {title} (median grad norm)", title_justify="left")
+        console.print(f"[bold]layers with the {title}[/bold] (median gradient norm over the run)")
+        table = Table()
         table.add_column("layer")
         table.add_column("type")
         table.add_column("grad norm", justify="right")

@@ -1,0 +1,54 @@
+"""The ``gradwatch`` command line, run as users run it: the installed console script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gradwatch as gw
+
+
+def gradwatch(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["gradwatch", *args], capture_output=True, text=True, cwd=cwd, timeout=300,
+                          env={"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "COLUMNS": "120"})
+
+
+def test_demo_trains_writes_a_run_and_summarises_it(tmp_path: Path) -> None:
+    result = gradwatch("demo", "--run", str(tmp_path / "demo"), "--steps", "40")
+    assert result.returncode == 0, result.stderr
+    run = gw.open_run(tmp_path / "demo")
+    assert run.steps == 40 and run.status == "finished"
+    out = result.stdout
+    assert "steps" in out and "40" in out
+    assert "global grad norm" in out
+    assert "smallest gradients" in out and "largest gradients" in out
+    smallest = run.metrics("grad_norm", include_global=False).groupby("layer")["value"].median().idxmin()
+    assert smallest in out
+    assert "tensorboard --logdir" in out
+
+
+def test_demo_default_run_directory(tmp_path: Path) -> None:
+    result = gradwatch("demo", "--steps", "5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert gw.open_run(tmp_path / "runs" / "demo").steps == 5
+
+
+def test_python_dash_m_and_version() -> None:
+    result = subprocess.run([sys.executable, "-m", "gradwatch", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and gw.__version__ in result.stdout
+
+
+def test_usage_error_exits_2_without_traceback() -> None:
+    result = gradwatch("demo", "--steps", "0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "--steps" in result.stderr
+
+
+def test_unwritable_run_is_one_line_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    result = gradwatch("demo", "--run", str(tmp_path / "file" / "run"), "--steps", "2")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("gradwatch: error: cannot create run directory")
