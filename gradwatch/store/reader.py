@@ -6,7 +6,7 @@ import json
 import os
 import sqlite3
 from collections.abc import Iterable
-from functools import cached_property
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,17 @@ import pandas as pd
 from gradwatch.errors import RunError, SchemaError
 from gradwatch.records import LAYER, PARAM
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION, unpack
+
+@dataclass
+class _Block:
+    """Vectors of one metric stored under one layout: rows are steps, columns entries."""
+
+    metric: str
+    names: list[str]
+    steps: np.ndarray
+    values: np.ndarray
+    present: np.ndarray
+
 
 FINDING_COLUMNS = ["step", "kind", "severity", "layer", "phase", "message", "action", "data"]
 
@@ -146,20 +157,34 @@ class Run:
             frame[col] = frame[col].astype(bool)
         return frame
 
-    def _vectors(self, scope: str, metrics: list[str] | None, steps: slice | None) -> Iterable[tuple[Any, ...]]:
-        sql = "SELECT metric, step, layout, codec, data, mask FROM vectors WHERE scope = ?"
+    def _blocks(self, scope: str, metrics: list[str] | None, steps: slice | None) -> list[_Block]:
+        """Stored vectors grouped by (metric, layout), decoded into 2-D arrays."""
+        sql = "SELECT metric, layout, step, codec, data, mask FROM vectors WHERE scope = ?"
         args: list[Any] = [scope]
         if metrics is not None:
             sql += f" AND metric IN ({','.join('?' * len(metrics))})"
             args += metrics
-        if steps is not None:
-            if steps.start is not None:
-                sql += " AND step >= ?"
-                args.append(steps.start)
-            if steps.stop is not None:
-                sql += " AND step < ?"
-                args.append(steps.stop)
-        return self._query(sql + " ORDER BY metric, step", args)
+        if steps is not None and steps.start is not None:
+            sql += " AND step >= ?"
+            args.append(steps.start)
+        if steps is not None and steps.stop is not None:
+            sql += " AND step < ?"
+            args.append(steps.stop)
+        groups: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
+        for metric, layout, *rest in self._query(sql + " ORDER BY metric, step", args):
+            groups.setdefault((metric, layout), []).append(tuple(rest))
+        blocks = []
+        for (metric, layout), rows in groups.items():
+            names = self._entries(layout, scope)
+            decoded = [unpack(codec, data, mask, len(names)) for _, codec, data, mask in rows]
+            blocks.append(_Block(
+                metric=metric,
+                names=names,
+                steps=np.array([r[0] for r in rows], dtype=np.int64),
+                values=np.stack([v for v, _ in decoded]),
+                present=np.stack([p for _, p in decoded]),
+            ))
+        return blocks
 
     def metrics(
         self,
@@ -187,27 +212,23 @@ class Run:
         wanted_metrics = [metrics] if isinstance(metrics, str) else (list(metrics) if metrics else None)
         wanted_layers = {layers} if isinstance(layers, str) else (set(layers) if layers else None)
         frames = []
-        names_cache: dict[tuple[int, str], np.ndarray] = {}
         for scope in (LAYER, PARAM) if per_parameter else (LAYER,):
-            for metric, step, layout, codec, data, mask in self._vectors(scope, wanted_metrics, steps):
-                key = (layout, scope)
-                if key not in names_cache:
-                    names_cache[key] = np.array(self._entries(layout, scope), dtype=object)
-                names = names_cache[key]
-                values, present = unpack(codec, data, mask, len(names))
-                keep = present if wanted_layers is None else present & np.isin(names, list(wanted_layers))
-                frames.append(
-                    pd.DataFrame(
-                        {"step": step, "layer": names[keep], "metric": metric, "value": values[keep].astype("float64")}
-                    )
-                )
+            for block in self._blocks(scope, wanted_metrics, steps):
+                cols = np.array([i for i, n in enumerate(block.names) if wanted_layers is None or n in wanted_layers],
+                                dtype=np.int64)
+                keep = block.present[:, cols]
+                rows, which = np.nonzero(keep)
+                frames.append(pd.DataFrame({
+                    "step": block.steps[rows],
+                    "layer": np.asarray(block.names, dtype=object)[cols[which]],
+                    "metric": block.metric,
+                    "value": block.values[rows, cols[which]].astype(np.float64),
+                }))
         if include_global and wanted_layers is None:
-            long = self.scalars(wanted_metrics).reset_index().melt(id_vars="step", var_name="metric")
+            wide = self.scalars(wanted_metrics)
             if steps is not None:
-                lo = steps.start if steps.start is not None else -1
-                hi = steps.stop if steps.stop is not None else np.inf
-                long = long[(long["step"] >= lo) & (long["step"] < hi)]
-            long = long.dropna(subset=["value"]) if not long.empty else long
+                wide = wide.loc[steps.start:None if steps.stop is None else steps.stop - 1]
+            long = wide.reset_index().melt(id_vars="step", var_name="metric").dropna(subset=["value"])
             long.insert(1, "layer", None)
             frames.append(long[["step", "layer", "metric", "value"]])
         frames = [f for f in frames if not f.empty]
@@ -220,25 +241,22 @@ class Run:
         return out.sort_values(["step", "metric"], kind="stable", ignore_index=True)
 
     def matrix(self, metric: str, *, scope: str = LAYER) -> pd.DataFrame:
-        """One metric as a steps x layers table (NaN where not measured), for heatmaps."""
-        rows = list(self._vectors(scope, [metric], None))
-        layout = self._latest_layout()
-        names = self._entries(layout, scope)
+        """One metric as a steps x layers table (NaN where not measured), for heatmaps.
+
+        Columns follow the latest layout; layers that did not exist yet are NaN.
+        """
+        names = self._entries(self._latest_layout(), scope)
         position = {n: i for i, n in enumerate(names)}
-        data = np.full((len(rows), len(names)), np.nan, dtype=np.float32)
-        index = []
-        for r, (_, step, lay, codec, blob, mask) in enumerate(rows):
-            lay_names = names if lay == layout else self._entries(lay, scope)
-            values, present = unpack(codec, blob, mask, len(lay_names))
-            values = np.where(present, values, np.nan)
-            if lay == layout:
-                data[r] = values
-            else:
-                for name, v in zip(lay_names, values):
-                    if name in position:
-                        data[r, position[name]] = v
-            index.append(step)
-        return pd.DataFrame(data, index=pd.Index(index, name="step", dtype="int64"), columns=names)
+        parts = []
+        for block in self._blocks(scope, [metric], None):
+            data = np.full((len(block.steps), len(names)), np.nan, dtype=np.float32)
+            src = [i for i, n in enumerate(block.names) if n in position]
+            dst = [position[block.names[i]] for i in src]
+            data[:, dst] = np.where(block.present[:, src], block.values[:, src], np.nan)
+            parts.append(pd.DataFrame(data, index=pd.Index(block.steps, name="step"), columns=names))
+        if not parts:
+            return pd.DataFrame(columns=names, index=pd.Index([], name="step", dtype="int64"), dtype=np.float32)
+        return pd.concat(parts).sort_index()
 
     # ----------------------------------------------------------------- findings
     def findings(self) -> pd.DataFrame:

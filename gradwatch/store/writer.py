@@ -18,6 +18,7 @@ from gradwatch.store.schema import DB_NAME, DDL, SCHEMA_VERSION, pack
 
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA page_size=16384")  # packed vectors are a few KB; large pages waste less
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     return conn
@@ -83,6 +84,8 @@ class StoreWriter:
                 scalars.extend((k, rec.step, _real(v)) for k, v in rec.scalars.items())
                 if rec.logged:
                     for (scope, metric), values in rec.vectors.items():
+                        if scope == PARAM and not rec.sampled:
+                            continue  # per-parameter detail is kept at the sampling resolution
                         codec, data, mask = pack(values, present(rec, scope, metric))
                         vectors.append((scope, metric, rec.step, rec.layout.version, codec, data, mask))
             conn.executemany("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?)", steps)
