@@ -63,6 +63,8 @@ class StepRecord:
             skip action).
         logged: per-layer vectors are written to the store for this step.
         sampled: the costlier statistics were measured on this step.
+        detail: per-parameter vectors are written too (sampled steps, and steps with
+            non-finite gradients); otherwise only per-layer vectors are.
     """
 
     step: int
@@ -73,6 +75,7 @@ class StepRecord:
     skipped: bool = False
     logged: bool = False
     sampled: bool = False
+    detail: bool = False
 
     def vector(self, metric: str, scope: str = LAYER) -> np.ndarray | None:
         """One metric's vector, or None when it was not measured on this step."""

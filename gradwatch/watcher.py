@@ -341,8 +341,9 @@ class Watcher:
             scalars=scalars,
             vectors={**{(LAYER, m): v.astype(np.float32) for m, v in lv.items()},
                      **{(PARAM, m): v.astype(np.float32) for m, v in pv.items()}},
-            logged=self._logged(step),
+            logged=self._logged(step) or len(bad) > 0,
             sampled=sampled,
+            detail=sampled or len(bad) > 0,
         )
         opened = _Open(record)
         if sampled and gidx:

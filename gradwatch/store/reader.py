@@ -133,18 +133,27 @@ class Run:
         return frame
 
     # ------------------------------------------------------------------ metrics
+    def _scalar_rows(self, names: list[str] | None, steps: slice | None) -> pd.DataFrame:
+        """Global scalars in long form (step, metric, value); a stored NaN stays a row."""
+        sql, args = "SELECT step, name, value FROM scalars WHERE 1", []
+        if names is not None:
+            sql += f" AND name IN ({','.join('?' * len(names))})"
+            args += names
+        if steps is not None and steps.start is not None:
+            sql += " AND step >= ?"
+            args.append(steps.start)
+        if steps is not None and steps.stop is not None:
+            sql += " AND step < ?"
+            args.append(steps.stop)
+        frame = pd.DataFrame(self._query(sql, args), columns=["step", "metric", "value"])
+        frame["step"] = frame["step"].astype("int64")
+        frame["value"] = pd.to_numeric(frame["value"], errors="coerce").astype("float64")  # NULL is NaN
+        return frame
+
     def scalars(self, names: Iterable[str] | None = None) -> pd.DataFrame:
         """Global per-step numbers (``grad_norm``, ``loss``, ``lr``, observed values), wide by step."""
-        sql, args = "SELECT step, name, value FROM scalars", []
-        if names is not None:
-            names = list(names)
-            sql += f" WHERE name IN ({','.join('?' * len(names))})"
-            args = names
-        frame = pd.DataFrame(self._query(sql, args), columns=["step", "name", "value"], dtype=object)
-        if frame.empty:
-            return pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
-        frame["value"] = pd.to_numeric(frame["value"], errors="coerce").astype("float64")
-        wide = frame.pivot(index="step", columns="name", values="value")
+        long = self._scalar_rows(list(names) if names is not None else None, None)
+        wide = long.pivot(index="step", columns="metric", values="value")
         wide.columns.name = None
         wide.index = wide.index.astype("int64")
         return wide.sort_index()
@@ -225,12 +234,9 @@ class Run:
                     "value": block.values[rows, cols[which]].astype(np.float64),
                 }))
         if include_global and wanted_layers is None:
-            wide = self.scalars(wanted_metrics)
-            if steps is not None:
-                wide = wide.loc[steps.start:None if steps.stop is None else steps.stop - 1]
-            long = wide.reset_index().melt(id_vars="step", var_name="metric").dropna(subset=["value"])
+            long = self._scalar_rows(wanted_metrics, steps)
             long.insert(1, "layer", None)
-            frames.append(long[["step", "layer", "metric", "value"]])
+            frames.append(long)
         frames = [f for f in frames if not f.empty]
         if not frames:
             return pd.DataFrame({"step": pd.Series(dtype="int64"), "layer": pd.Series(dtype=object),

@@ -84,8 +84,8 @@ class StoreWriter:
                 scalars.extend((k, rec.step, _real(v)) for k, v in rec.scalars.items())
                 if rec.logged:
                     for (scope, metric), values in rec.vectors.items():
-                        if scope == PARAM and not rec.sampled:
-                            continue  # per-parameter detail is kept at the sampling resolution
+                        if scope == PARAM and not rec.detail:
+                            continue
                         codec, data, mask = pack(values, present(rec, scope, metric))
                         vectors.append((scope, metric, rec.step, rec.layout.version, codec, data, mask))
             conn.executemany("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?)", steps)
