@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from hypothesis import given
@@ -182,3 +183,27 @@ def test_layout_change_gets_a_new_version(run_dir: Path) -> None:
     matrix = run.matrix("grad_norm")
     assert list(matrix.columns) == ["body", "heads.0"]
     assert matrix.loc[:2, "heads.0"].isna().all() and matrix.loc[3:, "heads.0"].notna().all()
+
+
+def test_reading_a_few_layers_agrees_with_reading_all(run_dir: Path) -> None:
+    class Partly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.unused = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            self.act = nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.act(self.a(x)))
+
+    model = gw.watch(Partly(), run=run_dir, sample_every=2)
+    train(model, batches, lambda out, y: out.pow(2).mean(), steps=6)
+    gw.unwatch(model)
+    run = gw.open_run(run_dir)
+    everything = run.metrics(include_global=False, per_parameter=True)
+    for layers in (["b"], ["unused", "act"], ["a", "b.weight", "unused.bias"]):
+        few = run.metrics(layers=layers, per_parameter=True)
+        expected = everything[everything.layer.isin(layers)].reset_index(drop=True)
+        pd.testing.assert_frame_equal(few.sort_values(["step", "metric", "layer"], ignore_index=True),
+                                      expected.sort_values(["step", "metric", "layer"], ignore_index=True))
+    assert "unused" not in set(everything[everything.metric == "grad_norm"].layer)
+    assert "unused" in set(everything[everything.metric == "param_norm"].layer)

@@ -28,6 +28,15 @@ class _Block:
     present: np.ndarray
 
 
+#: up to this many entries are sliced out of raw vectors inside SQLite
+_SLICE_LIMIT = 64
+
+
+def _bits(mask: bytes, cols: list[int]) -> np.ndarray:
+    flags = np.unpackbits(np.frombuffer(mask, dtype=np.uint8))
+    return flags[cols].astype(bool)
+
+
 FINDING_COLUMNS = ["step", "kind", "severity", "layer", "phase", "message", "action", "data"]
 
 
@@ -166,33 +175,58 @@ class Run:
             frame[col] = frame[col].astype(bool)
         return frame
 
-    def _blocks(self, scope: str, metrics: list[str] | None, steps: slice | None) -> list[_Block]:
-        """Stored vectors grouped by (metric, layout), decoded into 2-D arrays."""
-        sql = "SELECT metric, layout, step, codec, data, mask FROM vectors WHERE scope = ?"
-        args: list[Any] = [scope]
+    def _blocks(
+        self, scope: str, metrics: list[str] | None, steps: slice | None, names: set[str] | None = None
+    ) -> list[_Block]:
+        """Stored vectors grouped by (metric, layout), decoded into 2-D arrays (steps x entries).
+
+        With ``names``, only those entries are decoded; raw vectors are then sliced inside SQLite,
+        so one layer's series costs a few bytes per step rather than a whole vector.
+        """
+        where, args = "scope = ?", [scope]
         if metrics is not None:
-            sql += f" AND metric IN ({','.join('?' * len(metrics))})"
+            where += f" AND metric IN ({','.join('?' * len(metrics))})"
             args += metrics
         if steps is not None and steps.start is not None:
-            sql += " AND step >= ?"
+            where += " AND step >= ?"
             args.append(steps.start)
         if steps is not None and steps.stop is not None:
-            sql += " AND step < ?"
+            where += " AND step < ?"
             args.append(steps.stop)
-        groups: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
-        for metric, layout, *rest in self._query(sql + " ORDER BY metric, step", args):
-            groups.setdefault((metric, layout), []).append(tuple(rest))
         blocks = []
-        for (metric, layout), rows in groups.items():
-            names = self._entries(layout, scope)
-            decoded = [unpack(codec, data, mask, len(names)) for _, codec, data, mask in rows]
-            blocks.append(_Block(
-                metric=metric,
-                names=names,
-                steps=np.array([r[0] for r in rows], dtype=np.int64),
-                values=np.stack([v for v, _ in decoded]),
-                present=np.stack([p for _, p in decoded]),
-            ))
+        for (layout,) in self._query(f"SELECT DISTINCT layout FROM vectors WHERE {where}", args):
+            all_names = self._entries(layout, scope)
+            cols = [i for i, n in enumerate(all_names) if names is None or n in names]
+            if not cols:
+                continue
+            sliced = names is not None and len(cols) <= _SLICE_LIMIT
+            select = "metric, step, codec, data, mask"
+            if sliced:  # raw vectors: 4 bytes per wanted entry; compressed ones are decoded whole
+                select = "metric, step, codec, CASE codec WHEN 0 THEN NULL ELSE data END, mask, " + ", ".join(
+                    f"CASE codec WHEN 0 THEN substr(data, {4 * c + 1}, 4) END" for c in cols
+                )
+            rows = self._query(f"SELECT {select} FROM vectors WHERE {where} AND layout = ? ORDER BY metric, step",
+                               [*args, layout])
+            by_metric: dict[str, list[tuple[Any, ...]]] = {}
+            for row in rows:
+                by_metric.setdefault(row[0], []).append(row[1:])
+            for metric, group in by_metric.items():
+                values = np.empty((len(group), len(cols)), dtype=np.float32)
+                present = np.empty((len(group), len(cols)), dtype=bool)
+                for r, (_, codec, data, mask, *parts) in enumerate(group):
+                    if sliced and data is None:
+                        values[r] = np.frombuffer(b"".join(parts), dtype="<f4")
+                        present[r] = True if mask is None else _bits(mask, cols)
+                    else:
+                        full, full_present = unpack(codec, data, mask, len(all_names))
+                        values[r], present[r] = full[cols], full_present[cols]
+                blocks.append(_Block(
+                    metric=metric,
+                    names=[all_names[c] for c in cols],
+                    steps=np.array([g[0] for g in group], dtype=np.int64),
+                    values=values,
+                    present=present,
+                ))
         return blocks
 
     def metrics(
@@ -222,16 +256,13 @@ class Run:
         wanted_layers = {layers} if isinstance(layers, str) else (set(layers) if layers else None)
         frames = []
         for scope in (LAYER, PARAM) if per_parameter else (LAYER,):
-            for block in self._blocks(scope, wanted_metrics, steps):
-                cols = np.array([i for i, n in enumerate(block.names) if wanted_layers is None or n in wanted_layers],
-                                dtype=np.int64)
-                keep = block.present[:, cols]
-                rows, which = np.nonzero(keep)
+            for block in self._blocks(scope, wanted_metrics, steps, wanted_layers):
+                rows, cols = np.nonzero(block.present)
                 frames.append(pd.DataFrame({
                     "step": block.steps[rows],
-                    "layer": np.asarray(block.names, dtype=object)[cols[which]],
+                    "layer": np.asarray(block.names, dtype=object)[cols],
                     "metric": block.metric,
-                    "value": block.values[rows, cols[which]].astype(np.float64),
+                    "value": block.values[rows, cols].astype(np.float64),
                 }))
         if include_global and wanted_layers is None:
             long = self._scalar_rows(wanted_metrics, steps)
