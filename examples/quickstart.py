@@ -16,7 +16,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 x = torch.randn(512, 20)
 y = x[:, :5].sum(dim=1, keepdim=True)
 
-for step in range(200):  # an ordinary loop, unchanged
+for _ in range(200):  # an ordinary loop, unchanged
     batch = torch.randint(0, len(x), (32,))
     loss = nn.functional.mse_loss(model(x[batch]), y[batch])
     optimizer.zero_grad()

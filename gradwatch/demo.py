@@ -39,6 +39,7 @@ class SpiralNet(nn.Module):
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits for a batch of 2-D points."""
         return self.head(self.body(x))
 
 

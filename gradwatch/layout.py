@@ -10,8 +10,6 @@ from gradwatch.errors import ConfigError
 from gradwatch.records import Layout
 
 ROOT = "(root)"
-#: wrappers whose layer names are reported without their prefix
-_WRAPPER_ATTRS = ("_orig_mod", "module")
 
 #: output bounds of activations that saturate
 _BOUNDED: dict[type[nn.Module], tuple[float, float]] = {
@@ -28,11 +26,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     while True:
         if isinstance(model, (DistributedDataParallel, DataParallel)):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+            inner = model.module
+        elif type(model).__name__ == "OptimizedModule":
+            inner = getattr(model, "_orig_mod", None)
         else:
             return model
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
 
 
 def bounds(module: nn.Module) -> tuple[float, float] | None:
@@ -74,7 +75,12 @@ def discover(model: nn.Module, version: int) -> Discovered:
             f"{type(inner).__name__} has {what}; gradwatch watches gradients, so give gw.watch a model "
             "with trainable parameters"
         )
-    layers, types, numel, leaves, saturating, owners = [], [], [], [], [], []
+    layers: list[str] = []
+    types: list[str] = []
+    numel: list[int] = []
+    leaves: list[int] = []
+    saturating: list[int] = []
+    owners: list[tuple[int, int]] = []
     leaf_modules: list[tuple[int, nn.Module]] = []
     for name, module in inner.named_modules():
         own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]

@@ -32,7 +32,7 @@ def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
     groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype, t.is_sparse), []).append(i)
-    for (device, _, sparse), idx in groups.items():
+    for (device, _, _), idx in groups.items():
         group = [_dense(tensors[i]) for i in idx]
         if ord == _INF and device.type == "cpu":
             # on CPU a min/max pass is several times faster than the inf-norm kernel
@@ -86,7 +86,7 @@ def to_host(values: Sequence[Tensor]) -> np.ndarray:
     for i, v in enumerate(values):
         by_device.setdefault(v.device, []).append(i)
     result = np.empty(len(values), dtype=np.float64)
-    for device, idx in by_device.items():
+    for idx in by_device.values():
         stacked = torch.stack([values[i].reshape(()) for i in idx]).to(torch.float32)
         result[idx] = stacked.cpu().numpy()
     return result

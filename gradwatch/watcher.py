@@ -78,8 +78,11 @@ class Watcher:
             from gradwatch.sinks.tensorboard import TensorBoard
 
             sinks.append(TensorBoard(run_dir))
-        self._writer = Writer(sinks, queue_size=options.queue_size, flush_seconds=options.flush_seconds, name=run_dir.name)
-        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptEntry] = weakref.WeakKeyDictionary()
+        self._writer = Writer(
+            sinks, queue_size=options.queue_size, flush_seconds=options.flush_seconds, name=run_dir.name
+        )
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptEntry]
+        self._optimizers = weakref.WeakKeyDictionary()
         self._observed: dict[str, list[Any]] = {}
         self._open: _Open | None = None
         self._pending: _Open | None = None
@@ -117,7 +120,9 @@ class Watcher:
                     raise ValueError(f"observe({name}=...) needs a scalar, got a tensor of shape {tuple(value.shape)}")
                 value = value.detach()
             elif not isinstance(value, numbers.Real) or isinstance(value, bool):
-                raise TypeError(f"observe({name}=...) needs a number or a one-element tensor, got {type(value).__name__}")
+                raise TypeError(
+                    f"observe({name}=...) needs a number or a one-element tensor, got {type(value).__name__}"
+                )
             self._observed.setdefault(name, []).append(value)
 
     def flush(self) -> None:
@@ -278,7 +283,7 @@ class Watcher:
         params, layout = self._found.params, self._found.layout
         sampled = self._sampled(step)
         gidx = [i for i, p in enumerate(params) if p.grad is not None]
-        grads = [params[i].grad for i in gidx]
+        grads = [g for g in (params[i].grad for i in gidx) if g is not None]
         observed, obs_parts = self._observed_parts()
         lr = opt.param_groups[0].get("lr") if "lr" not in observed else None
         pending = self._pending.update_parts if self._pending is not None else []
@@ -351,7 +356,9 @@ class Watcher:
             opened.before = dict(zip(gidx, copies))
         return opened
 
-    def _activation_vectors(self, acts: list[tuple[int, list[torch.Tensor], int]], host: np.ndarray) -> dict[str, np.ndarray]:
+    def _activation_vectors(
+        self, acts: list[tuple[int, list[torch.Tensor], int]], host: np.ndarray
+    ) -> dict[str, np.ndarray]:
         L = len(self._found.layout.layers)
         sumsq, zeros, sat, numel = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
         k = 0

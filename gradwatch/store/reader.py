@@ -17,6 +17,7 @@ from gradwatch.errors import RunError, SchemaError
 from gradwatch.records import LAYER, PARAM
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION, unpack
 
+
 @dataclass
 class _Block:
     """Vectors of one metric stored under one layout: rows are steps, columns entries."""

@@ -73,7 +73,9 @@ class StoreWriter:
 
     def write(self, records: Iterable[StepRecord]) -> None:
         """Write a batch of records in one transaction."""
-        steps, scalars, vectors = [], [], []
+        steps: list[tuple[Any, ...]] = []
+        scalars: list[tuple[Any, ...]] = []
+        vectors: list[tuple[Any, ...]] = []
         conn = self._conn
         conn.execute("BEGIN")
         try:
