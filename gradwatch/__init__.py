@@ -12,7 +12,15 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from gradwatch.errors import ConfigError, GradwatchError, RunError, SchemaError, TrainingHalted
+from gradwatch.errors import (
+    ConfigError,
+    GradwatchError,
+    GradwatchWarning,
+    InternalWarning,
+    RunError,
+    SchemaError,
+    TrainingHalted,
+)
 from gradwatch.registry import unwatch, watch, watcher
 from gradwatch.store.reader import Run, open_run
 from gradwatch.watcher import Watcher
@@ -20,6 +28,8 @@ from gradwatch.watcher import Watcher
 __all__ = [
     "ConfigError",
     "GradwatchError",
+    "GradwatchWarning",
+    "InternalWarning",
     "Run",
     "RunError",
     "SchemaError",

@@ -26,3 +26,11 @@ class TrainingHalted(RuntimeError):
         super().__init__(message)
         self.step = step
         self.finding = finding
+
+
+class GradwatchWarning(UserWarning):
+    """Something the user should know about that does not stop training."""
+
+
+class InternalWarning(GradwatchWarning):
+    """gradwatch failed inside a hook and detached itself; training went on unaffected."""

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from gradwatch.errors import ConfigError
+from gradwatch.errors import ConfigError, GradwatchWarning
 from gradwatch.layout import unwrap
 from gradwatch.options import Options
 from gradwatch.watcher import Watcher
@@ -45,7 +45,7 @@ def _free_run_dir(run: Path) -> Path:
         candidate = run.with_name(f"{run.name}-{n}")
     if n:
         warnings.warn(f"gradwatch: {str(run)!r} is in use by another watched model; writing to {str(candidate)!r}",
-                      stacklevel=3)
+                      GradwatchWarning, stacklevel=3)
     return candidate
 
 
@@ -87,7 +87,7 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
     if existing is not None:
         if run is not None and Path(run).resolve() != existing.run_dir.resolve():
             warnings.warn(f"gradwatch: this model is already watched into {str(existing.run_dir)!r}; "
-                          f"ignoring run={str(run)!r}", stacklevel=2)
+                          f"ignoring run={str(run)!r}", GradwatchWarning, stacklevel=2)
         return model
     run_dir = _free_run_dir(Path(run) if run is not None else _default_run(model))
     watcher_ = Watcher(model, run_dir, opts, rules)

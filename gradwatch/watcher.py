@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
 import time
+import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from torch import nn
 
 from gradwatch import stats
 from gradwatch.aggregate import Aggregator
+from gradwatch.errors import InternalWarning
 from gradwatch.layout import discover, unwrap
 from gradwatch.options import Options
 from gradwatch.probe import Probe
@@ -26,6 +30,20 @@ from gradwatch.store.writer import create_store, default_meta
 from gradwatch.writer import Writer
 
 log = logging.getLogger("gradwatch")
+
+
+def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
+    """Run a hook so that a gradwatch bug detaches gradwatch instead of breaking training."""
+
+    @functools.wraps(hook)
+    def run(self: Watcher, *args: Any) -> None:
+        try:
+            hook(self, *args)
+        except Exception as exc:
+            log.exception("gradwatch: internal error in %s", hook.__name__)
+            self._fail(exc)
+
+    return run
 
 
 @dataclass
@@ -155,6 +173,17 @@ class Watcher:
     def __repr__(self) -> str:
         return f"Watcher(run={str(self.run_dir)!r}, step={self.step}, closed={self.closed})"
 
+    def _fail(self, exc: Exception) -> None:
+        """Detach after an internal error, keeping what was recorded; training is not touched."""
+        self._open = self._pending = self._carry = None
+        self.close("crashed")
+        warnings.warn(
+            f"gradwatch stopped watching after an internal error ({exc!r}); training continues unwatched. "
+            f"The run so far is in {str(self.run_dir)!r}.",
+            InternalWarning,
+            stacklevel=3,
+        )
+
     # ----------------------------------------------------------- schedules
     def _sampled(self, step: int) -> bool:
         return step % self.options.sample_period == 0
@@ -163,11 +192,13 @@ class Watcher:
         return step % self.options.log_every == 0
 
     # ---------------------------------------------------------------- hooks
+    @_guarded
     def _backward_done(self, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is not None:
             self._backward = (id(grad), grad._version)
 
+    @_guarded
     def _forward_started(self) -> None:
         if self.closed:
             return
@@ -179,6 +210,7 @@ class Watcher:
         if self.options.activations and not self._compiled and self._sampled(self.step):
             self._probe.attach_activations(self._found.leaf_modules)
 
+    @_guarded
     def _backward_started(self) -> None:
         if self.closed or self._backward is None:
             return
@@ -231,6 +263,7 @@ class Watcher:
         self._sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
         self._probe.watch_backward(found.params[self._sentinel])
 
+    @_guarded
     def _step_pre(self, opt: torch.optim.Optimizer) -> None:
         if self.closed or self._entry(opt) is None:
             return
@@ -240,6 +273,7 @@ class Watcher:
             self._open = self._begin_step(opt)
         self._open.optimizers.add(id(opt))
 
+    @_guarded
     def _step_post(self, opt: torch.optim.Optimizer) -> None:
         step = self._open
         if step is None or not step.before:

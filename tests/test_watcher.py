@@ -209,3 +209,23 @@ def test_runs_are_closed_at_interpreter_exit(tmp_path: Path, how: str, status: s
     assert run.steps == 7 and run.status == status
     assert len(run.metrics("grad_norm", include_global=False)) == 7
     assert not (tmp_path / "run" / "gradwatch.sqlite-wal").exists(), "closed runs are one self-contained file"
+
+
+def test_an_internal_error_detaches_gradwatch_and_training_goes_on(run_dir: Path, monkeypatch) -> None:
+    model = gw.watch(mlp(), run=run_dir)
+    opt = train(model, data, nn.functional.mse_loss, steps=3)
+    from gradwatch import stats
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("simulated gradwatch bug")
+
+    monkeypatch.setattr(stats, "norms", broken)
+    with pytest.warns(gw.InternalWarning, match="simulated gradwatch bug.*training continues"):
+        for _ in range(3):
+            x, y = data()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()  # the failing step is still applied, unchanged
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    run = gw.open_run(run_dir)
+    assert run.status == "crashed" and run.steps == 3
