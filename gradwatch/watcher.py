@@ -155,6 +155,9 @@ class Watcher:
         try:
             if self._open is not None:
                 self._close_step()
+            if self._backward is not None and self._gradients_dropped():
+                carry, self._carry = self._carry, None
+                self._skipped_step(carry[0] if carry else self._observed)
             if self._pending is not None:
                 self._resolve_pending(stats.to_host(self._pending.update_parts))
         finally:
@@ -207,17 +210,23 @@ class Watcher:
         if self._backward is not None and self._carry is None:
             self._carry = (self._observed, self._probe.take_activations())
             self._observed = {}
-        if self.options.activations and not self._compiled and self._sampled(self.step):
+        # until the next backward tells, this forward may belong to this step or the next one
+        upcoming = (self.step, self.step + 1) if self._carry is not None else (self.step,)
+        if self.options.activations and not self._compiled and any(self._sampled(s) for s in upcoming):
             self._probe.attach_activations(self._found.leaf_modules)
+
+    def _gradients_dropped(self) -> bool:
+        """Whether the gradients of the last backward were cleared (set to None or zeroed)."""
+        grad = self._found.params[self._sentinel].grad
+        return grad is None or (id(grad), grad._version) != self._backward
 
     @_guarded
     def _backward_started(self) -> None:
         if self.closed or self._backward is None:
             return
-        grad = self._found.params[self._sentinel].grad
-        cleared = grad is None or (id(grad), grad._version) != self._backward
+        dropped = self._gradients_dropped()
         self._backward = None
-        if cleared:  # the previous iteration's gradients were dropped without an optimizer step
+        if dropped:  # the previous iteration's gradients were dropped without an optimizer step
             carry, self._carry = self._carry, None
             self._skipped_step(carry[0] if carry else {})
         else:
@@ -231,7 +240,10 @@ class Watcher:
         for name, values in self._observed.items():
             observed.setdefault(name, []).extend(values)
         self._observed = observed
-        self._probe.activations[:0] = acts
+        if self._sampled(self.step):
+            self._probe.activations[:0] = acts
+        else:
+            self._probe.detach_activations()  # attached in case this forward began the next step
 
     def _entry(self, opt: torch.optim.Optimizer) -> _OptEntry | None:
         count = sum(len(g["params"]) for g in opt.param_groups)
