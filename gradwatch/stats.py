@@ -82,11 +82,14 @@ def to_host(values: Sequence[Tensor]) -> np.ndarray:
     """Copy 0-d tensors to the host as one float64 array: one synchronisation per device."""
     if not values:
         return np.zeros(0)
+    device = values[0].device
+    if all(v.device == device for v in values):  # the usual case: one stack, one copy
+        return torch.stack(list(values)).to(torch.float32).cpu().numpy().astype(np.float64)
     by_device: dict[torch.device, list[int]] = {}
     for i, v in enumerate(values):
         by_device.setdefault(v.device, []).append(i)
     result = np.empty(len(values), dtype=np.float64)
     for idx in by_device.values():
-        stacked = torch.stack([values[i].reshape(()) for i in idx]).to(torch.float32)
+        stacked = torch.stack([values[i] for i in idx]).to(torch.float32)
         result[idx] = stacked.cpu().numpy()
     return result

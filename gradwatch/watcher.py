@@ -136,7 +136,7 @@ class Watcher:
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise ValueError(f"observe({name}=...) needs a scalar, got a tensor of shape {tuple(value.shape)}")
-                value = value.detach()
+                value = value.detach().reshape(())
             elif not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise TypeError(
                     f"observe({name}=...) needs a number or a one-element tensor, got {type(value).__name__}"

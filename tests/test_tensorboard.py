@@ -63,3 +63,15 @@ def test_grad_norm_series_lengths(run_dir: Path, log_every: int) -> None:
     train(model, lambda: (torch.randn(4, 2), None), lambda out, y: out.sum(), steps=10)
     gw.unwatch(model)
     assert len(load(run_dir).Scalars(f"grad_norm/{'(root)'}")) == 10 // log_every
+
+
+def test_event_records_use_tensorboards_checksum() -> None:
+    import os
+    import struct
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    from gradwatch.sinks.tensorboard import _masked_crc
+
+    for data in (b"", b"gradwatch", os.urandom(10_000)):
+        assert _masked_crc(data) == struct.pack("<I", masked_crc32c(data))
