@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 
 from gradwatch.records import StepRecord
@@ -21,12 +20,16 @@ class Writer:
     """Feeds records to sinks off the training thread, in batches.
 
     The training thread only calls :meth:`submit` (which waits only when the queue is full) and
-    :meth:`flush` (which waits until everything submitted so far is written).
+    :meth:`flush` (which waits until everything submitted so far is written). The writer thread
+    sleeps until ``flush_seconds`` pass, a flush is asked for, or the queue is half full, then
+    drains the queue in one batch: no wake-up per step.
     """
 
     def __init__(self, sinks: Sequence[Sink], *, queue_size: int, flush_seconds: float, name: str) -> None:
         self._sinks = list(sinks)
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self._high_water = max(1, queue_size // 2)
+        self._wake = threading.Event()
         self._flush_seconds = flush_seconds
         self._failed: set[int] = set()
         self._thread = threading.Thread(target=self._run, name=f"gradwatch-writer-{name}", daemon=True)
@@ -35,11 +38,14 @@ class Writer:
     def submit(self, record: StepRecord) -> None:
         """Queue one record for writing."""
         self._queue.put(record)
+        if self._queue.qsize() >= self._high_water:
+            self._wake.set()
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every record submitted before this call is written by every sink."""
         done = threading.Event()
         self._queue.put(done)
+        self._wake.set()
         done.wait(timeout)
 
     def close(self, status: str) -> None:
@@ -47,32 +53,35 @@ class Writer:
         if not self._thread.is_alive():
             return
         self._queue.put((_STOP, status))
+        self._wake.set()
         self._thread.join()
 
     def _run(self) -> None:
-        batch: list[StepRecord] = []
-        deadline = time.monotonic() + self._flush_seconds
         while True:
-            timeout = max(0.0, deadline - time.monotonic())
-            try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                item = None
-            if isinstance(item, StepRecord):
-                batch.append(item)
-                if len(batch) < _BATCH and not self._queue.empty():
+            self._wake.wait(self._flush_seconds)
+            self._wake.clear()
+            batch: list[StepRecord] = []
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, StepRecord):
+                    batch.append(item)
+                    if len(batch) >= _BATCH:
+                        self._dispatch("write", batch)
+                        batch = []
                     continue
-                if len(batch) < _BATCH and time.monotonic() < deadline:
-                    continue
+                if batch:  # a flush or stop marker: everything before it is written first
+                    self._dispatch("write", batch)
+                    batch = []
+                if isinstance(item, threading.Event):
+                    item.set()
+                elif isinstance(item, tuple) and item and item[0] is _STOP:
+                    self._dispatch("close", item[1])
+                    return
             if batch:
                 self._dispatch("write", batch)
-                batch = []
-            deadline = time.monotonic() + self._flush_seconds
-            if isinstance(item, threading.Event):
-                item.set()
-            elif isinstance(item, tuple) and item and item[0] is _STOP:
-                self._dispatch("close", item[1])
-                return
 
     def _dispatch(self, method: str, arg: object) -> None:
         for i, sink in enumerate(self._sinks):
