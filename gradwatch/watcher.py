@@ -301,10 +301,10 @@ class Watcher:
             step.update_parts += stats.norms(torch._foreach_sub(before, after))
 
     # ------------------------------------------------------------ the step
-    def _observed_parts(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        observed, self._observed = self._observed, {}
-        parts = [v for values in observed.values() for v in values if isinstance(v, torch.Tensor)]
-        return observed, parts
+    @staticmethod
+    def _tensor_parts(observed: dict[str, list[Any]]) -> list[torch.Tensor]:
+        """The observed values still on the device, read with the step's host read."""
+        return [v for values in observed.values() for v in values if isinstance(v, torch.Tensor)]
 
     def _observed_scalars(self, observed: dict[str, list[Any]], host: np.ndarray) -> dict[str, float]:
         out, k = {}, 0
@@ -330,7 +330,8 @@ class Watcher:
         sampled = self._sampled(step)
         gidx = [i for i, p in enumerate(params) if p.grad is not None]
         grads = [g for g in (params[i].grad for i in gidx) if g is not None]
-        observed, obs_parts = self._observed_parts()
+        observed, self._observed = self._observed, {}
+        obs_parts = self._tensor_parts(observed)
         lr = opt.param_groups[0].get("lr") if "lr" not in observed else None
         pending = self._pending.update_parts if self._pending is not None else []
         parts: list[torch.Tensor] = [*stats.norms(grads), *obs_parts, *pending]
@@ -465,7 +466,7 @@ class Watcher:
         """Record an iteration whose gradients were dropped without an optimizer step."""
         step = self.step
         self.step += 1
-        obs_parts = [v for values in observed.values() for v in values if isinstance(v, torch.Tensor)]
+        obs_parts = self._tensor_parts(observed)
         pending = self._pending.update_parts if self._pending is not None else []
         host = stats.to_host([*obs_parts, *pending])
         scalars = self._observed_scalars(observed, host[: len(obs_parts)])
