@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from gradwatch import stats
-from gradwatch.aggregate import Aggregator
 from gradwatch.errors import InternalWarning
 from gradwatch.layout import discover, unwrap
+from gradwatch.measure import Measure
 from gradwatch.options import Options
 from gradwatch.probe import Probe
-from gradwatch.records import LAYER, PARAM, StepRecord
+from gradwatch.records import StepRecord
 from gradwatch.sinks.store import Store
 from gradwatch.store.writer import create_store, default_meta
 from gradwatch.writer import Writer
@@ -79,7 +79,7 @@ class Watcher:
         self._model = weakref.ref(model)
         self._compiled = type(model).__name__ == "OptimizedModule"
         self._found = discover(model, version=1)
-        self._agg = Aggregator(self._found.layout)
+        self._measure = Measure(self._found)
         self._index = {id(p): i for i, p in enumerate(self._found.params)}
         inner = unwrap(model)
         meta = {
@@ -269,7 +269,7 @@ class Watcher:
         if self._pending is not None:
             self._resolve_pending(stats.to_host(self._pending.update_parts))
         self._probe.detach_activations()
-        self._found, self._agg = found, Aggregator(found.layout)
+        self._found, self._measure = found, Measure(found)
         self._index = {id(p): i for i, p in enumerate(found.params)}
         self._optimizers = weakref.WeakKeyDictionary()
         self._sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
@@ -293,12 +293,9 @@ class Watcher:
         entry = self._entry(opt)
         if entry is None:
             return
-        idx = [i for i in entry.indices if i in step.before]
-        if idx:
-            before = [step.before.pop(i) for i in idx]
-            after = [self._found.params[i].detach() for i in idx]
-            step.update_idx += idx
-            step.update_parts += stats.norms(torch._foreach_sub(before, after))
+        idx, parts = self._measure.update_norms(step.before, entry.indices)
+        step.update_idx += idx
+        step.update_parts += parts
 
     # ------------------------------------------------------------ the step
     @staticmethod
@@ -326,124 +323,48 @@ class Watcher:
         self._merge_carry()
         if step == 0 and self._found.params[self._sentinel].grad is None:
             self._move_sentinel()
-        params, layout = self._found.params, self._found.layout
         sampled = self._sampled(step)
-        gidx = [i for i, p in enumerate(params) if p.grad is not None]
-        grads = [g for g in (params[i].grad for i in gidx) if g is not None]
+        launched = self._measure.launch(sampled, self._probe.take_activations() if sampled else [])
         observed, self._observed = self._observed, {}
         obs_parts = self._tensor_parts(observed)
         lr = opt.param_groups[0].get("lr") if "lr" not in observed else None
+        lr_parts = [lr] if isinstance(lr, torch.Tensor) else []
         pending = self._pending.update_parts if self._pending is not None else []
-        parts: list[torch.Tensor] = [*stats.norms(grads), *obs_parts, *pending]
-        if isinstance(lr, torch.Tensor):
-            parts.append(lr)
-        tidx: list[int] = []
-        acts: list[tuple[int, list[torch.Tensor], int]] = []
-        if sampled:
-            tidx = [i for i, p in enumerate(params) if p.requires_grad]
-            parts += stats.max_abs(grads)
-            parts += stats.norms([params[i].detach() for i in tidx])
-            acts = self._probe.take_activations()
-            parts += [t for _, values, _ in acts for t in values]
-        host = stats.to_host(parts)  # the one synchronisation of this step
+        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *pending])  # the step's one read
 
-        n, k = len(gidx), 0
-        gnorm, k = host[:n], n
+        k = len(launched.parts)
+        vectors = self._measure.vectors(launched, host[:k])
         scalars = self._observed_scalars(observed, host[k:k + len(obs_parts)])
         k += len(obs_parts)
-        if self._pending is not None:
-            self._resolve_pending(host[k:k + len(pending)])
-            k += len(pending)
-        if isinstance(lr, torch.Tensor):
+        if lr_parts:
             scalars["lr"], k = float(host[k]), k + 1
         elif isinstance(lr, numbers.Real):
             scalars["lr"] = float(lr)
-        nonfinite = np.zeros(n)
-        bad = np.flatnonzero(~np.isfinite(gnorm))
-        if len(bad):  # rare: count the non-finite elements of the offending gradients
-            nonfinite[bad] = stats.to_host(stats.nonfinite_counts([grads[i] for i in bad]))
-
-        P = len(params)
-        pv = {m: np.full(P, np.nan) for m in ("grad_norm", "grad_nonfinite")}
-        pv["grad_norm"][gidx] = gnorm
-        pv["grad_nonfinite"][gidx] = nonfinite
-        has = ~np.isnan(pv["grad_nonfinite"])
-        lv = {
-            "grad_norm": self._agg.norm(pv["grad_norm"], has),
-            "grad_nonfinite": self._agg.sum(pv["grad_nonfinite"], has),
-        }
-        if sampled:
-            pv["grad_max"] = np.full(P, np.nan)
-            pv["grad_max"][gidx] = host[k:k + n]
-            k += n
-            pv["param_norm"] = np.full(P, np.nan)
-            pv["param_norm"][tidx] = host[k:k + len(tidx)]
-            k += len(tidx)
-            lv["grad_max"] = self._agg.max(pv["grad_max"], has)
-            lv["param_norm"] = self._agg.norm(pv["param_norm"], ~np.isnan(pv["param_norm"]))
-            lv.update(self._activation_vectors(acts, host[k:]))
-            if not self._sampled(step + 1):
-                self._probe.detach_activations()
-        total = float(np.sqrt(np.sum(gnorm.astype(np.float64) ** 2))) if n else math.nan
-        scalars = {"grad_norm": total, **scalars}
+        if self._pending is not None:
+            self._resolve_pending(host[k:])
+        if sampled and not self._sampled(step + 1):
+            self._probe.detach_activations()
+        gnorm = host[:len(launched.gidx)]
+        nonfinite = not np.isfinite(gnorm).all()
+        total = float(np.sqrt(np.sum(gnorm**2))) if len(gnorm) else math.nan
         record = StepRecord(
             step=step,
             time=now,
-            layout=layout,
-            scalars=scalars,
-            vectors={**{(LAYER, m): v.astype(np.float32) for m, v in lv.items()},
-                     **{(PARAM, m): v.astype(np.float32) for m, v in pv.items()}},
-            logged=self._logged(step) or len(bad) > 0,
+            layout=self._found.layout,
+            scalars={"grad_norm": total, **scalars},
+            vectors=vectors,
+            logged=self._logged(step) or nonfinite,
             sampled=sampled,
-            detail=sampled or len(bad) > 0,
+            detail=sampled or nonfinite,
         )
-        opened = _Open(record)
-        if sampled and gidx:
-            copies = torch._foreach_mul([params[i].detach() for i in gidx], 1.0)
-            opened.before = dict(zip(gidx, copies))
-        return opened
-
-    def _activation_vectors(
-        self, acts: list[tuple[int, list[torch.Tensor], int]], host: np.ndarray
-    ) -> dict[str, np.ndarray]:
-        L = len(self._found.layout.layers)
-        sumsq, zeros, sat, numel = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
-        k = 0
-        for index, values, count in acts:
-            sumsq[index] += host[k] ** 2
-            zeros[index] += host[k + 1]
-            if len(values) == 3:
-                sat[index] += host[k + 2]
-            numel[index] += count
-            k += len(values)
-        seen = numel > 0
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out = {
-                "act_norm": np.where(seen, np.sqrt(sumsq), np.nan),
-                "act_zero_frac": np.where(seen, zeros / numel, np.nan),
-                "act_sat_frac": np.full(L, np.nan),
-            }
-            bounded = np.zeros(L, dtype=bool)
-            bounded[list(self._found.layout.saturating)] = True
-            out["act_sat_frac"][seen & bounded] = (sat / numel)[seen & bounded]
-        return out
+        return _Open(record, before=self._measure.snapshot(launched))
 
     def _resolve_pending(self, host: np.ndarray) -> None:
         """Complete the previous sampled step with its update norms and hand it to the writer."""
         pending, self._pending = self._pending, None
         assert pending is not None
-        rec = pending.record
-        P = len(rec.layout.params)
-        delta = np.full(P, np.nan)
-        delta[pending.update_idx] = host
-        has = ~np.isnan(delta)
-        pnorm = rec.vectors[(PARAM, "param_norm")].astype(np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            rec.vectors[(PARAM, "update_ratio")] = (delta / pnorm).astype(np.float32)
-            layer_delta = self._agg.norm(delta, has)
-            layer_norm = rec.vectors[(LAYER, "param_norm")].astype(np.float64)
-            rec.vectors[(LAYER, "update_ratio")] = (layer_delta / layer_norm).astype(np.float32)
-        self._writer.submit(rec)
+        self._measure.update_ratios(pending.record.vectors, pending.update_idx, host)
+        self._writer.submit(pending.record)
 
     def _close_step(self) -> None:
         step, self._open = self._open, None

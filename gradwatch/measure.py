@@ -1,0 +1,140 @@
+"""Measure: the device work of one step, and the per-layer / per-parameter vectors it yields.
+
+:meth:`Measure.launch` only launches reductions and returns the tensors to read; the watcher
+reads them (with its own extra values) in one host copy and hands the numbers back to
+:meth:`Measure.vectors`, which is plain numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gradwatch import stats
+from gradwatch.aggregate import Aggregator
+from gradwatch.layout import Discovered
+from gradwatch.records import LAYER, PARAM
+
+#: (layer index, [norm, zeros(, saturated)], numel) for each leaf call of a step
+Activations = list[tuple[int, list[torch.Tensor], int]]
+
+
+@dataclass
+class Launched:
+    """What one step launched on the device, in the order it is read back."""
+
+    sampled: bool
+    gidx: list[int]  # parameters that have a gradient
+    grads: list[torch.Tensor]
+    tidx: list[int] = field(default_factory=list)  # trainable parameters (sampled steps)
+    acts: Activations = field(default_factory=list)
+    parts: list[torch.Tensor] = field(default_factory=list)
+
+
+class Measure:
+    """Statistics of one layout's parameters and leaves."""
+
+    def __init__(self, found: Discovered) -> None:
+        self.found = found
+        self._agg = Aggregator(found.layout)
+        bounded = np.zeros(len(found.layout.layers), dtype=bool)
+        bounded[list(found.layout.saturating)] = True
+        self._bounded = bounded
+
+    def launch(self, sampled: bool, acts: Activations) -> Launched:
+        """Launch the step's reductions: gradient norms always, the costlier ones when sampled."""
+        params = self.found.params
+        gidx = [i for i, p in enumerate(params) if p.grad is not None]
+        grads = [g for g in (params[i].grad for i in gidx) if g is not None]
+        out = Launched(sampled, gidx, grads, parts=stats.norms(grads))
+        if sampled:
+            out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
+            out.acts = acts
+            out.parts += stats.max_abs(grads)
+            out.parts += stats.norms([params[i].detach() for i in out.tidx])
+            out.parts += [t for _, values, _ in acts for t in values]
+        return out
+
+    def vectors(self, step: Launched, host: np.ndarray) -> dict[tuple[str, str], np.ndarray]:
+        """Per-parameter and per-layer vectors from the host copy of ``step.parts``.
+
+        On the rare step with a non-finite gradient norm, the non-finite elements of the
+        offending gradients are counted with one more read.
+        """
+        P, n = len(self.found.params), len(step.gidx)
+        gnorm = host[:n]
+        nonfinite = np.zeros(n)
+        bad = np.flatnonzero(~np.isfinite(gnorm))
+        if len(bad):
+            nonfinite[bad] = stats.to_host(stats.nonfinite_counts([step.grads[i] for i in bad]))
+        pv = {"grad_norm": np.full(P, np.nan), "grad_nonfinite": np.full(P, np.nan)}
+        pv["grad_norm"][step.gidx] = gnorm
+        pv["grad_nonfinite"][step.gidx] = nonfinite
+        has = ~np.isnan(pv["grad_nonfinite"])
+        lv = {
+            "grad_norm": self._agg.norm(pv["grad_norm"], has),
+            "grad_nonfinite": self._agg.sum(pv["grad_nonfinite"], has),
+        }
+        if step.sampled:
+            k = n
+            pv["grad_max"] = np.full(P, np.nan)
+            pv["grad_max"][step.gidx] = host[k:k + n]
+            k += n
+            pv["param_norm"] = np.full(P, np.nan)
+            pv["param_norm"][step.tidx] = host[k:k + len(step.tidx)]
+            k += len(step.tidx)
+            lv["grad_max"] = self._agg.max(pv["grad_max"], has)
+            lv["param_norm"] = self._agg.norm(pv["param_norm"], ~np.isnan(pv["param_norm"]))
+            lv.update(self._activations(step.acts, host[k:]))
+        return {**{(LAYER, m): v.astype(np.float32) for m, v in lv.items()},
+                **{(PARAM, m): v.astype(np.float32) for m, v in pv.items()}}
+
+    def _activations(self, acts: Activations, host: np.ndarray) -> dict[str, np.ndarray]:
+        L = len(self.found.layout.layers)
+        sumsq, zeros, sat, numel = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
+        k = 0
+        for index, values, count in acts:
+            sumsq[index] += host[k] ** 2
+            zeros[index] += host[k + 1]
+            if len(values) == 3:
+                sat[index] += host[k + 2]
+            numel[index] += count
+            k += len(values)
+        seen = numel > 0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sat_frac = np.where(seen & self._bounded, sat / numel, np.nan)
+            return {
+                "act_norm": np.where(seen, np.sqrt(sumsq), np.nan),
+                "act_zero_frac": np.where(seen, zeros / numel, np.nan),
+                "act_sat_frac": sat_frac,
+            }
+
+    def snapshot(self, step: Launched) -> dict[int, torch.Tensor]:
+        """Copies of the weights about to be updated, for the update ratio (sampled steps)."""
+        if not step.sampled or not step.gidx:
+            return {}
+        copies = torch._foreach_mul([self.found.params[i].detach() for i in step.gidx], 1.0)
+        return dict(zip(step.gidx, copies))
+
+    def update_norms(
+        self, before: dict[int, torch.Tensor], indices: list[int]
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Launch ||w_before - w_after|| for the snapshotted parameters among ``indices``."""
+        idx = [i for i in indices if i in before]
+        if not idx:
+            return [], []
+        after = [self.found.params[i].detach() for i in idx]
+        return idx, stats.norms(torch._foreach_sub([before.pop(i) for i in idx], after))
+
+    def update_ratios(self, vectors: dict[tuple[str, str], np.ndarray], idx: list[int], host: np.ndarray) -> None:
+        """Add ``update_ratio`` = ||delta w|| / ||w|| (per parameter and per layer) to a step's vectors."""
+        delta = np.full(len(self.found.params), np.nan)
+        delta[idx] = host
+        layer_delta = self._agg.norm(delta, ~np.isnan(delta))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for scope, moved in ((PARAM, delta), (LAYER, layer_delta)):
+                weights = vectors[(scope, "param_norm")].astype(np.float64)
+                vectors[(scope, "update_ratio")] = (moved / weights).astype(np.float32)
+
