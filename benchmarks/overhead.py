@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -176,10 +177,10 @@ class Workload:
 
 WORKLOADS = {
     "gpt": Workload(GPT, lambda p: torch.optim.AdamW(p, lr=3e-4), gpt_batch, lm_loss, steps=10, rounds=5, target=1.04),
-    "mlp": Workload(deep_mlp, lambda p: torch.optim.SGD(p, lr=1e-3), mlp_batch, F.mse_loss, steps=100, rounds=7,
+    "mlp": Workload(deep_mlp, lambda p: torch.optim.SGD(p, lr=1e-3), mlp_batch, F.mse_loss, steps=50, rounds=11,
                     target=1.20),
     "cnn": Workload(small_cnn, lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), cnn_batch, F.cross_entropy,
-                    steps=20, rounds=7, target=1.04),
+                    steps=20, rounds=9, target=1.04),
 }
 
 
@@ -307,12 +308,19 @@ class Result:
                 "block_seconds": self.blocks, "ratios": self.ratios, "store": self.store}
 
 
-def store_size(run_dir: Path) -> dict[str, float]:
-    """Bytes of a closed run's directory (SQLite store and event files), in all and per 1,000 steps."""
-    size = sum(f.stat().st_size for f in run_dir.iterdir() if f.is_file())
-    with gw.open_run(run_dir) as run:
+def store_size(loop: Loop) -> dict[str, float]:
+    """Bytes of a closed run's directory (SQLite store and event files), in all and per 1,000 recorded steps.
+
+    Also the steps trained, which differ from the steps recorded if gradwatch detached itself mid-run.
+    """
+    assert loop.run_dir is not None
+    files = [f for f in loop.run_dir.iterdir() if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    events = sum(f.stat().st_size for f in files if f.name.startswith("events.out.tfevents."))
+    with gw.open_run(loop.run_dir) as run:
         steps = run.steps
-    return {"bytes": size, "steps": steps, "bytes_per_1000_steps": size / steps * 1000 if steps else float("nan")}
+    return {"bytes": size, "event_bytes": events, "steps": steps, "trained": loop.done,
+            "bytes_per_1000_steps": size / steps * 1000 if steps else float("nan")}
 
 
 @contextlib.contextmanager
@@ -346,7 +354,7 @@ def measure(name: str, workload: Workload, variants: list[str], rounds: int, ste
                         + ", ".join(f"{v} {1000 * times[v] / steps:.1f}" for v in variants) + " ms/step")
     for variant, loop in loops.items():
         if loop.run_dir is not None:
-            results[variant].store = store_size(loop.run_dir)
+            results[variant].store = store_size(loop)
     return list(results.values())
 
 
@@ -374,7 +382,7 @@ def rss_run(steps: int, root: Path, console: Console) -> dict[str, Any]:
         "rss_end": rss[steps],
         "rss_peak": max(rss.values()),
         "growth_after_warmup": rss[steps] - after_warmup,
-        "store": store_size(loop.run_dir),
+        "store": store_size(loop),
     }
 
 
@@ -413,10 +421,12 @@ def results_table(results: list[Result], checks: list[dict[str, Any]]) -> Table:
 
 def store_table(rows: list[tuple[str, dict[str, float]]]) -> Table:
     table = Table(title="Run store size (gradwatch.sqlite + TensorBoard event files)")
-    for column in ("run", "steps", "bytes", "KiB per 1,000 steps"):
+    for column in ("run", "steps trained", "steps recorded", "bytes", "of which events", "KiB per 1,000 steps"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for name, store in rows:
-        table.add_row(name, str(store["steps"]), f"{store['bytes']:,}", f"{store['bytes_per_1000_steps'] / 1024:,.1f}")
+        recorded = str(store["steps"]) if store["steps"] == store["trained"] else f"[red]{store['steps']}[/red]"
+        table.add_row(name, str(store["trained"]), recorded, f"{store['bytes']:,}", f"{store['event_bytes']:,}",
+                      f"{store['bytes_per_1000_steps'] / 1024:,.1f}")
     return table
 
 
@@ -442,8 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="gpt,mlp,cnn",
                         help="comma-separated subset of: " + ", ".join(WORKLOADS) + " (default: all)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds per workload (default: 5 gpt, 7 mlp/cnn)")
-    parser.add_argument("--steps", type=int, help="steps per block (default: 10 gpt, 100 mlp, 20 cnn)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds per workload (default: 5 gpt, 11 mlp, 9 cnn)")
+    parser.add_argument("--steps", type=int, help="steps per block (default: 10 gpt, 50 mlp, 20 cnn)")
     parser.add_argument("--rss-steps", type=int, default=0,
                         help="first train the gpt workload watched for N steps, sampling the RSS (default: 0, skip)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
@@ -464,7 +474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=120)
     report: dict[str, Any] = {"torch": torch.__version__, "gradwatch": gw.__version__, "threads": args.threads}
     with tempfile.TemporaryDirectory(prefix="gradwatch-overhead-") as tmp:
         root = Path(tmp)
