@@ -43,6 +43,7 @@ class Measure:
         bounded[list(found.layout.saturating)] = True
         self._bounded = bounded
 
+    @torch.no_grad()
     def launch(self, sampled: bool, acts: Activations) -> Launched:
         """Launch the step's reductions: gradient norms always, the costlier ones when sampled."""
         params = self.found.params
@@ -53,7 +54,7 @@ class Measure:
             out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
             out.acts = acts
             out.parts += stats.max_abs(grads)
-            out.parts += stats.norms([params[i].detach() for i in out.tidx])
+            out.parts += stats.norms([params[i] for i in out.tidx])
             out.parts += [t for _, values, _ in acts for t in values]
         return out
 
@@ -111,13 +112,15 @@ class Measure:
                 "act_sat_frac": sat_frac,
             }
 
+    @torch.no_grad()
     def snapshot(self, step: Launched) -> dict[int, torch.Tensor]:
         """Copies of the weights about to be updated, for the update ratio (sampled steps)."""
         if not step.sampled or not step.gidx:
             return {}
-        copies = torch._foreach_mul([self.found.params[i].detach() for i in step.gidx], 1.0)
+        copies = torch._foreach_mul([self.found.params[i] for i in step.gidx], 1.0)
         return dict(zip(step.gidx, copies))
 
+    @torch.no_grad()
     def update_norms(
         self, before: dict[int, torch.Tensor], indices: list[int]
     ) -> tuple[list[int], list[torch.Tensor]]:
@@ -125,8 +128,9 @@ class Measure:
         idx = [i for i in indices if i in before]
         if not idx:
             return [], []
-        after = [self.found.params[i].detach() for i in idx]
-        return idx, stats.norms(torch._foreach_sub([before.pop(i) for i in idx], after))
+        moved = [before.pop(i) for i in idx]
+        torch._foreach_sub_(moved, [self.found.params[i] for i in idx])  # our own copies: in place
+        return idx, stats.norms(moved)
 
     def update_ratios(self, vectors: dict[tuple[str, str], np.ndarray], idx: list[int], host: np.ndarray) -> None:
         """Add ``update_ratio`` = ||delta w|| / ||w|| (per parameter and per layer) to a step's vectors."""

@@ -28,6 +28,14 @@ def _foreach_norm(tensors: list[Tensor], ord: float) -> list[Tensor]:
 
 def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
     """Vector norms of many tensors as 0-d float32 tensors, one fused call per device and dtype."""
+    if not tensors:
+        return []
+    device = tensors[0].device
+    if (ord != _INF or device.type != "cpu") and all(t.device == device and not t.is_sparse for t in tensors):
+        try:  # the usual case: one fused call
+            return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
+        except (RuntimeError, TypeError):  # float64 tensors, or torch < 2.4: group by dtype below
+            pass
     out: list[Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -70,7 +78,7 @@ def activation_stats(out: Tensor, bounds: tuple[float, float] | None) -> list[Te
     bound, e.g. sigmoid below 0.01 or above 0.99, tanh beyond +-0.98.
     """
     out = out.detach()
-    stats = [torch.linalg.vector_norm(out, dtype=torch.float32), (out == 0).sum()]
+    stats = [torch.linalg.vector_norm(out, dtype=torch.float32), out.numel() - torch.count_nonzero(out)]
     if bounds is not None:
         lo, hi = bounds
         mid, half = (lo + hi) / 2.0, (hi - lo) / 2.0

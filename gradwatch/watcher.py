@@ -313,7 +313,7 @@ class Watcher:
                     k += 1
                 else:
                     nums.append(float(v))
-            out[name] = float(np.mean(nums))
+            out[name] = sum(nums) / len(nums)
         return out
 
     def _begin_step(self, opt: torch.optim.Optimizer) -> _Open:
