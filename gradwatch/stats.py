@@ -33,7 +33,7 @@ def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
     device = tensors[0].device
     if (ord != _INF or device.type != "cpu") and all(t.device == device and not t.is_sparse for t in tensors):
         try:  # the usual case: one fused call
-            return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
+            return list(torch._foreach_norm(list(tensors), ord, dtype=torch.float32))
         except (RuntimeError, TypeError):  # float64 tensors, or torch < 2.4: group by dtype below
             pass
     out: list[Tensor | None] = [None] * len(tensors)
