@@ -17,7 +17,7 @@ from gradwatch.aggregate import Aggregator
 from gradwatch.layout import Discovered
 from gradwatch.records import LAYER, PARAM
 
-#: (layer index, [norm, zeros(, saturated)], numel) for each leaf call of a step
+#: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call of a step
 Activations = list[tuple[int, list[torch.Tensor], int]]
 
 
@@ -98,7 +98,7 @@ class Measure:
         k = 0
         for index, values, count in acts:
             sumsq[index] += host[k] ** 2
-            zeros[index] += host[k + 1]
+            zeros[index] += count - host[k + 1]  # the device counted non-zeros
             if len(values) == 3:
                 sat[index] += host[k + 2]
             numel[index] += count

@@ -61,7 +61,7 @@ class Probe:
         ]
         self._sentinel: RemovableHandle | None = None
         self._act_handles: list[RemovableHandle] = []
-        #: (layer index, [norm, zeros(, saturated)], numel) for each leaf call since attach
+        #: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call since attach
         self.activations: list[tuple[int, list[torch.Tensor], int]] = []
 
     # ------------------------------------------------------------------ root

@@ -72,13 +72,13 @@ def nonfinite_counts(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 def activation_stats(out: Tensor, bounds: tuple[float, float] | None) -> list[Tensor]:
-    """Device reductions of one activation: [L2 norm, number of zeros(, number saturated)].
+    """Device reductions of one activation: [L2 norm, number of non-zeros(, number saturated)].
 
     An output counts as saturated when it lies within 1% of the output range from either
     bound, e.g. sigmoid below 0.01 or above 0.99, tanh beyond +-0.98.
     """
     out = out.detach()
-    stats = [torch.linalg.vector_norm(out, dtype=torch.float32), out.numel() - torch.count_nonzero(out)]
+    stats = [torch.linalg.vector_norm(out, dtype=torch.float32), torch.count_nonzero(out)]
     if bounds is not None:
         lo, hi = bounds
         mid, half = (lo + hi) / 2.0, (hi - lo) / 2.0

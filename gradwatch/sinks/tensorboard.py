@@ -2,6 +2,7 @@
 
 Tags are ``<metric>/<layer>`` so that TensorBoard groups per-layer series by metric, and
 ``global/<name>`` for the global gradient norm, loss, learning rate and observed scalars.
+``grad_nonfinite/<layer>`` points are written only where the count is non-zero.
 
 The event file is written here rather than through TensorBoard's ``EventFileWriter``, whose
 pure-Python CRC32C costs more CPU per step than everything else gradwatch does on a small
@@ -80,7 +81,10 @@ class TensorBoard:
                     if scope != LAYER:
                         continue
                     tags = self._layer_tags(rec, metric)
-                    keep = np.flatnonzero(present(rec, scope, metric))
+                    shown = present(rec, scope, metric)
+                    if metric == "grad_nonfinite":
+                        shown &= vec != 0  # a flat zero series per layer is noise; the store keeps it
+                    keep = np.flatnonzero(shown)
                     values.extend(value(tag=tags[i], simple_value=v) for i, v in zip(keep, vec[keep].tolist()))
             self._file.write(self._event(wall_time=rec.time, step=rec.step, summary=self._summary(value=values)))
         self._file.flush()
