@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import sys
 import time
@@ -99,16 +100,13 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
 
 
 def _watch_class(cls: type[nn.Module], run: str | Path | None, rules: Any, opts: Options) -> type[nn.Module]:
-    """Wrap ``cls.__init__`` so that each instance is watched once its outermost ``__init__`` ends.
+    """Wrap ``cls.__init__`` so that every instance gets watched.
 
     Watching is deferred to the instance's first forward call (or first :func:`watcher` call),
     so that subclasses which add modules after ``super().__init__()`` are watched whole.
     """
     original = cls.__init__
-    kwargs = {k: getattr(opts, k) for k in opts.to_dict() if k != "sample_every"}
-    kwargs["sample_every"] = opts.sample_every
-
-    start = functools.partial(watch, run=run, rules=rules, **kwargs)
+    start = functools.partial(watch, run=run, rules=rules, **dataclasses.asdict(opts))
 
     @functools.wraps(original)
     def __init__(self: nn.Module, *args: Any, **kw: Any) -> None:
