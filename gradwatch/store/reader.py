@@ -33,6 +33,21 @@ class _Block:
 _SLICE_LIMIT = 64
 
 
+def _where(column: str, names: list[str] | None, steps: slice | None) -> tuple[str, list[Any]]:
+    """A WHERE clause keeping rows whose ``column`` is in ``names`` and whose step is in ``steps``."""
+    where, args = "1", []
+    if names is not None:
+        where += f" AND {column} IN ({','.join('?' * len(names))})"
+        args += names
+    if steps is not None and steps.start is not None:
+        where += " AND step >= ?"
+        args.append(steps.start)
+    if steps is not None and steps.stop is not None:
+        where += " AND step < ?"
+        args.append(steps.stop)
+    return where, args
+
+
 def _bits(mask: bytes, cols: list[int]) -> np.ndarray:
     flags = np.unpackbits(np.frombuffer(mask, dtype=np.uint8))
     return flags[cols].astype(bool)
@@ -145,17 +160,9 @@ class Run:
     # ------------------------------------------------------------------ metrics
     def _scalar_rows(self, names: list[str] | None, steps: slice | None) -> pd.DataFrame:
         """Global scalars in long form (step, metric, value); a stored NaN stays a row."""
-        sql, args = "SELECT step, name, value FROM scalars WHERE 1", []
-        if names is not None:
-            sql += f" AND name IN ({','.join('?' * len(names))})"
-            args += names
-        if steps is not None and steps.start is not None:
-            sql += " AND step >= ?"
-            args.append(steps.start)
-        if steps is not None and steps.stop is not None:
-            sql += " AND step < ?"
-            args.append(steps.stop)
-        frame = pd.DataFrame(self._query(sql, args), columns=["step", "metric", "value"])
+        where, args = _where("name", names, steps)
+        frame = pd.DataFrame(self._query(f"SELECT step, name, value FROM scalars WHERE {where}", args),
+                             columns=["step", "metric", "value"])
         frame["step"] = frame["step"].astype("int64")
         frame["value"] = pd.to_numeric(frame["value"], errors="coerce").astype("float64")  # NULL is NaN
         return frame
@@ -184,16 +191,8 @@ class Run:
         With ``names``, only those entries are decoded; raw vectors are then sliced inside SQLite,
         so one layer's series costs a few bytes per step rather than a whole vector.
         """
-        where, args = "scope = ?", [scope]
-        if metrics is not None:
-            where += f" AND metric IN ({','.join('?' * len(metrics))})"
-            args += metrics
-        if steps is not None and steps.start is not None:
-            where += " AND step >= ?"
-            args.append(steps.start)
-        if steps is not None and steps.stop is not None:
-            where += " AND step < ?"
-            args.append(steps.stop)
+        where, args = _where("metric", metrics, steps)
+        where, args = f"scope = ? AND {where}", [scope, *args]
         blocks = []
         for (layout,) in self._query(f"SELECT DISTINCT layout FROM vectors WHERE {where}", args):
             all_names = self._entries(layout, scope)
