@@ -95,6 +95,7 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
     for key in _keys(model):
         _watchers[key] = watcher_
     _live.add(watcher_)
+    weakref.finalize(model, watcher_.close)  # a model dropped while watched closes its run
     _install_exit_handlers()
     return model
 

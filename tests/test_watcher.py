@@ -229,3 +229,19 @@ def test_an_internal_error_detaches_gradwatch_and_training_goes_on(run_dir: Path
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     run = gw.open_run(run_dir)
     assert run.status == "crashed" and run.steps == 3
+
+
+def test_a_model_dropped_while_watched_closes_its_run(run_dir: Path) -> None:
+    import gc
+    import weakref
+
+    from gradwatch import registry
+
+    model = gw.watch(mlp(), run=run_dir)
+    train(model, data, nn.functional.mse_loss, steps=3)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and not registry._live
+    run = gw.open_run(run_dir)
+    assert run.status == "finished" and run.steps == 3
