@@ -107,5 +107,6 @@ def discover(model: nn.Module, version: int) -> Discovered:
         owners=tuple(owners),
         leaves=tuple(leaves),
         saturating=tuple(saturating),
+        trainable=tuple(p.requires_grad for p in params),
     )
     return Discovered(layout, params, leaf_modules)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,17 @@ class Options:
         overwrite: replace a finished run already stored in the run directory.
         queue_size: records buffered between the training thread and the writer thread.
         flush_seconds: longest time a record waits in the writer before it is committed.
+        detectors: per-detector settings, ``{kind: {setting: value}}`` (``enabled=False``
+            turns one off); see the README's detector table.
+        cooldown: steps during which a repeat of the same finding (kind, layer, severity) is
+            counted instead of written again.
+        flight_recorder: steps of full per-layer statistics kept in memory and written when a
+            finding fires, whatever ``log_every`` is.
+        origin: replay a step with NaN/Inf to find the module where it was born.
+        console: print findings to stderr as they happen.
+        snapshot_every: healthy steps between rollback snapshots (taken only when a rule rolls back).
+        snapshot_keep: rollback snapshots kept.
+        snapshot_dir: keep snapshots on disk in this directory instead of in memory.
     """
 
     log_every: int = 1
@@ -36,6 +49,14 @@ class Options:
     overwrite: bool = False
     queue_size: int = 1024
     flush_seconds: float = 1.0
+    detectors: Mapping[str, Mapping[str, Any]] | None = None
+    cooldown: int = 100
+    flight_recorder: int = 32
+    origin: bool = True
+    console: bool = True
+    snapshot_every: int = 100
+    snapshot_keep: int = 2
+    snapshot_dir: str | None = None
 
     @property
     def sample_period(self) -> int:
@@ -68,8 +89,19 @@ class Options:
                     f"sample_every={self.sample_every} must be a multiple of "
                     f"log_every={self.log_every} so that sampled steps are written"
                 )
-        _positive_int("queue_size", self.queue_size)
-        for name in ("activations", "tensorboard", "overwrite"):
+        for name in ("queue_size", "cooldown", "snapshot_every", "snapshot_keep"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.flight_recorder, bool) or not isinstance(self.flight_recorder, int) or self.flight_recorder < 0:
+            raise ConfigError(f"option flight_recorder must be a non-negative integer, got {self.flight_recorder!r}")
+        if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, (str, os.PathLike)):
+            raise ConfigError(f"option snapshot_dir must be a directory path, got {self.snapshot_dir!r}")
+        if self.detectors is not None:
+            if not isinstance(self.detectors, Mapping):
+                raise ConfigError(f"option detectors must be a mapping {{kind: {{setting: value}}}}, got {self.detectors!r}")
+            from gradwatch.detectors import build
+
+            build(self.detectors)
+        for name in ("activations", "tensorboard", "overwrite", "origin", "console"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.flush_seconds, (int, float)) or not self.flush_seconds > 0:
@@ -79,6 +111,7 @@ class Options:
         """The options as plain data, as stored in the run's metadata."""
         data = dataclasses.asdict(self)
         data["sample_every"] = self.sample_period
+        data["snapshot_dir"] = None if self.snapshot_dir is None else str(self.snapshot_dir)
         return data
 
 

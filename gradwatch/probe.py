@@ -44,39 +44,42 @@ class Probe:
         self,
         model: nn.Module,
         *,
-        on_forward: Callable[[], None],
+        on_forward: Callable[[tuple[Any, ...], dict[str, Any]], None],
         on_step_pre: Callable[[torch.optim.Optimizer], None],
         on_step_post: Callable[[torch.optim.Optimizer], None],
-        on_backward_start: Callable[[], None],
+        on_backward_start: Callable[[torch.Tensor], None],
         on_backward_end: Callable[[torch.Tensor], None],
     ) -> None:
         self._on_forward = on_forward
         self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
         self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._forward_pre),
+            model.register_forward_pre_hook(self._forward_pre, with_kwargs=True),
             model.register_forward_hook(self._forward_post),
             register_optimizer_step_pre_hook(lambda opt, args, kwargs: on_step_pre(opt)),
             register_optimizer_step_post_hook(lambda opt, args, kwargs: on_step_post(opt)),
         ]
+        #: set while gradwatch itself runs the model (origin replay): every hook stands aside
+        self.paused = False
         self._sentinel: RemovableHandle | None = None
         self._act_handles: list[RemovableHandle] = []
         #: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call since attach
         self.activations: list[tuple[int, list[torch.Tensor], int]] = []
 
     # ------------------------------------------------------------------ root
-    def _forward_pre(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            self._on_forward()
+    def _forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.is_grad_enabled() and not self.paused and not torch.compiler.is_compiling():
+            self._on_forward(args, kwargs)
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and not self.paused and not torch.compiler.is_compiling():
             out = first_tensor(output)
             if out is not None and out.requires_grad:
                 out.register_hook(self._output_grad)
 
     def _output_grad(self, grad: torch.Tensor) -> None:
-        self._on_backward_start()
+        if not self.paused:
+            self._on_backward_start(grad)
 
     def watch_backward(self, param: nn.Parameter) -> None:
         """Move the sentinel hook (which marks the end of backward passes) to ``param``."""
@@ -103,7 +106,7 @@ class Probe:
         store = self.activations
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or self.paused:
                 return
             out = first_tensor(output)
             if out is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,7 @@ class Layout:
         owners: pairs (layer index, parameter index): which layers own which parameters.
         leaves: indices of leaf layers (those with activation statistics).
         saturating: indices of leaf layers whose outputs are bounded (sigmoid/tanh family).
+        trainable: for each parameter, whether it required a gradient when discovered.
     """
 
     version: int
@@ -42,10 +44,15 @@ class Layout:
     owners: tuple[tuple[int, int], ...]
     leaves: tuple[int, ...]
     saturating: tuple[int, ...] = ()
+    trainable: tuple[bool, ...] = ()
 
     def names(self, scope: str) -> tuple[str, ...]:
         """The entry names of a scope (``"layer"`` or ``"param"``)."""
         return self.layers if scope == LAYER else self.params
+
+    def owner(self, param: int) -> str:
+        """The first layer (in model order) that owns a parameter."""
+        return next(self.layers[layer] for layer, p in self.owners if p == param)
 
 
 @dataclass
@@ -65,6 +72,10 @@ class StepRecord:
         sampled: the costlier statistics were measured on this step.
         detail: per-parameter vectors are written too (sampled steps, and steps with
             non-finite gradients); otherwise only per-layer vectors are.
+        origin: where a non-finite value was born (``phase``, ``layer``, ``type``, ``how``),
+            found by replaying the step; None when everything was finite.
+        flight: re-sent by the flight recorder when a finding fired (its global scalars were
+            already written; its per-layer vectors were not).
     """
 
     step: int
@@ -76,6 +87,8 @@ class StepRecord:
     logged: bool = False
     sampled: bool = False
     detail: bool = False
+    origin: dict[str, Any] | None = None
+    flight: bool = False
 
     def vector(self, metric: str, scope: str = LAYER) -> np.ndarray | None:
         """One metric's vector, or None when it was not measured on this step."""

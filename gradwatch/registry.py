@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from gradwatch.config import Config, resolve
 from gradwatch.errors import ConfigError, GradwatchWarning
 from gradwatch.layout import unwrap
 from gradwatch.options import Options
@@ -50,21 +50,19 @@ def _free_run_dir(run: Path) -> Path:
     return candidate
 
 
-def _check_rules(rules: Any) -> None:
-    if rules not in ("default", None):
-        raise ConfigError(f"rules={rules!r} is not supported: use rules='default' or rules=None")
-
-
 def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: Any = "default",
-          log_every: int = 1, **options: Any) -> Any:
+          log_every: int | None = None, **options: Any) -> Any:
     """Watch a model (or every instance of a Module class): one line, then an ordinary loop.
 
     Args:
         model_or_class: an ``nn.Module`` instance (returned as is, now watched), an
             ``nn.Module`` subclass (every instance gets watched), or None to get a decorator.
         run: run directory, created if missing; default ``runs/<timestamp>-<model class>``.
-        rules: ``"default"`` or None (detect and record only).
-        log_every: write full per-layer series every this many steps.
+        rules: ``"default"`` (``[tool.gradwatch]`` of the nearest pyproject.toml if it has one,
+            else the built-in rules), None (detect and record only), a :class:`gradwatch.Rule`
+            or a list of them, or the path of a TOML rules file.
+        log_every: write full per-layer series every this many steps (default 1, or the
+            config file's ``log_every``).
         **options: further settings, see :class:`gradwatch.options.Options`.
 
     Raises:
@@ -72,12 +70,13 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
         ConfigError: an option is invalid, or the model has no trainable parameter.
         RunError: the run directory cannot be created or written.
     """
-    opts = Options.from_kwargs(log_every=log_every, **options)
-    _check_rules(rules)
+    config = resolve(rules)
+    explicit = {**options, **({"log_every": log_every} if log_every is not None else {})}
+    opts = _options(config, explicit)
     if model_or_class is None:
         return lambda target: watch(target, run=run, rules=rules, log_every=log_every, **options)
     if isinstance(model_or_class, type) and issubclass(model_or_class, nn.Module):
-        return _watch_class(model_or_class, run, rules, opts)
+        return _watch_class(model_or_class, run, rules, explicit)
     if not isinstance(model_or_class, nn.Module):
         raise TypeError(
             f"gw.watch expects a torch.nn.Module instance or subclass, got {type(model_or_class).__name__}; "
@@ -91,7 +90,7 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
                           f"ignoring run={str(run)!r}", GradwatchWarning, stacklevel=2)
         return model
     run_dir = _free_run_dir(Path(run) if run is not None else _default_run(model))
-    watcher_ = Watcher(model, run_dir, opts, rules)
+    watcher_ = Watcher(model, run_dir, opts, config)
     for key in _keys(model):
         _watchers[key] = watcher_
     _live.add(watcher_)
@@ -100,14 +99,25 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
     return model
 
 
-def _watch_class(cls: type[nn.Module], run: str | Path | None, rules: Any, opts: Options) -> type[nn.Module]:
+def _options(config: Config, explicit: dict[str, Any]) -> Options:
+    """Options from the config file, overridden by the keyword arguments given to watch."""
+    try:
+        return Options.from_kwargs(**{**config.options, **explicit})
+    except ConfigError as exc:
+        bad = next((k for k in config.options if f"{k!r}" in str(exc) or f" {k} " in str(exc)), None)
+        if bad is not None and bad not in explicit:
+            raise ConfigError(f"{config.source}: {exc}") from None
+        raise
+
+
+def _watch_class(cls: type[nn.Module], run: str | Path | None, rules: Any, explicit: dict[str, Any]) -> type[nn.Module]:
     """Wrap ``cls.__init__`` so that every instance gets watched.
 
     Watching is deferred to the instance's first forward call (or first :func:`watcher` call),
     so that subclasses which add modules after ``super().__init__()`` are watched whole.
     """
     original = cls.__init__
-    start = functools.partial(watch, run=run, rules=rules, **dataclasses.asdict(opts))
+    start = functools.partial(watch, run=run, rules=rules, **explicit)
 
     @functools.wraps(original)
     def __init__(self: nn.Module, *args: Any, **kw: Any) -> None:

@@ -18,14 +18,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradwatch import stats
-from gradwatch.errors import InternalWarning
+from gradwatch import stats, verdict
+from gradwatch.config import Config
+from gradwatch.control import LoopControl
+from gradwatch.errors import InternalWarning, TrainingHalted
+from gradwatch.judge import Judge
 from gradwatch.layout import discover, unwrap
 from gradwatch.measure import Measure
 from gradwatch.options import Options
+from gradwatch.origin import Tracker
 from gradwatch.probe import Probe
 from gradwatch.records import StepRecord
 from gradwatch.sinks.store import Store
+from gradwatch.snapshots import Snapshots, rng_state
 from gradwatch.store.writer import create_store, default_meta
 from gradwatch.writer import Writer
 
@@ -39,6 +44,8 @@ def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
     def run(self: Watcher, *args: Any) -> None:
         try:
             hook(self, *args)
+        except TrainingHalted:
+            raise
         except Exception as exc:
             log.exception("gradwatch: internal error in %s", hook.__name__)
             self._fail(exc)
@@ -61,6 +68,7 @@ class _Open:
     before: dict[int, torch.Tensor] = field(default_factory=dict)  # weights before the update
     update_idx: list[int] = field(default_factory=list)
     update_parts: list[torch.Tensor] = field(default_factory=list)  # ||delta w|| per parameter
+    skip: bool = False  # an action decided that this step changes nothing
 
 
 class Watcher:
@@ -69,10 +77,11 @@ class Watcher:
     Created by :func:`gradwatch.watch`; reach it with :func:`gradwatch.watcher`.
     """
 
-    def __init__(self, model: nn.Module, run_dir: Path, options: Options, rules: Any = "default") -> None:
+    def __init__(self, model: nn.Module, run_dir: Path, options: Options, config: Config | None = None) -> None:
+        config = config if config is not None else Config(None, source="none")
         self.options = options
         self.run_dir = run_dir
-        self.rules = rules
+        self.rules = config.rules
         self.step = 0
         self.closed = False
         self._status = "finished"
@@ -88,7 +97,7 @@ class Watcher:
             "parameters": int(sum(self._found.layout.param_numel)),
             "trainable": int(sum(p.numel() for p in self._found.params if p.requires_grad)),
             "options": options.to_dict(),
-            "rules": rules if isinstance(rules, (str, type(None))) else repr(rules),
+            "rules": config.describe(),
         }
         db = create_store(run_dir, meta, overwrite=options.overwrite)
         sinks: list[Any] = [Store(db)]
@@ -101,6 +110,16 @@ class Watcher:
         )
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptEntry]
         self._optimizers = weakref.WeakKeyDictionary()
+        self.judge = Judge(config, options, self._writer)
+        self.control = LoopControl(self)
+        self._tracker = Tracker(model) if options.origin else None
+        self.snapshots: Snapshots | None = None
+        if self.judge.rolls_back:
+            where = Path(options.snapshot_dir) if options.snapshot_dir is not None else None
+            self.snapshots = Snapshots(options.snapshot_keep, where)
+        self._since_snapshot = 0
+        self._halt: dict[str, Any] | None = None
+        self._current: StepRecord | None = None  # the step being judged
         self._observed: dict[str, list[Any]] = {}
         self._open: _Open | None = None
         self._pending: _Open | None = None
@@ -147,6 +166,63 @@ class Watcher:
         """Block until every step recorded so far is on disk."""
         self._writer.flush()
 
+    def track(self, *objects: Any) -> None:
+        """Snapshot and restore these LR schedulers / GradScalers on rollback.
+
+        Schedulers of the model's optimizers and an enabled GradScaler are found automatically;
+        this is for objects gradwatch cannot find (e.g. several scalers).
+        """
+        for obj in objects:
+            self.control.track(obj)
+
+    @property
+    def pending_skips(self) -> int:
+        """Upcoming batches a rollback asked to skip (:meth:`batches` skips them for you)."""
+        return self.control.pending_skips
+
+    def batches(self, iterable: Any) -> Any:
+        """Iterate over ``iterable`` (a DataLoader ...), leaving out the batches a rollback skips.
+
+        Example:
+            ``for x, y in gw.watcher(model).batches(loader): ...``
+        """
+        for item in iterable:
+            if self.control.pending_skips > 0:
+                self.control.pending_skips -= 1
+                continue
+            yield item
+
+    @property
+    def findings(self) -> dict[str, Any]:
+        """Counts of findings so far by severity, and the worst severity seen."""
+        return self.judge.summary()
+
+    # ---------------------------------------------------- used by the control
+    def model(self) -> nn.Module:
+        """The watched model (the user's module inside any compile/DDP wrapper)."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the watched model was garbage-collected")
+        return unwrap(model)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers seen stepping this model's parameters."""
+        return [opt for opt, entry in list(self._optimizers.items()) if entry.indices]
+
+    def snapshot_restored(self) -> None:
+        """A rollback restored a snapshot: count healthy steps towards the next one afresh."""
+        self._since_snapshot = 0
+
+    def halted(self, step: int, reason: str) -> None:
+        """A rule halts training at ``step``: write everything and close the run as halted."""
+        self._halt = {"step": step, "reason": reason}
+        self._open = None
+        if self._current is not None:
+            self._current.logged = self._current.detail = True
+            self._submit(self._current)
+            self._current = None
+        self.close("halted")
+
     def close(self, status: str | None = None) -> None:
         """Write what is pending, detach every hook, and close the run (idempotent)."""
         if self.closed:
@@ -155,6 +231,8 @@ class Watcher:
         try:
             if self._open is not None:
                 self._close_step()
+            if self._tracker is not None:
+                self._tracker.clear()
             if self._backward is not None and self._gradients_dropped():
                 carry, self._carry = self._carry, None
                 self._skipped_step(carry[0] if carry else self._observed)
@@ -162,10 +240,27 @@ class Watcher:
                 self._resolve_pending(stats.to_host(self._pending.update_parts))
         finally:
             self._probe.detach()
-            self._writer.close(status or self._status)
+            self.judge.close()
+            final = status or self._status
+            self._writer.close(final)
+            self._write_verdict(final)
             from gradwatch import registry
 
             registry.forget(self)
+
+    def _write_verdict(self, status: str) -> None:
+        summary = self.judge.summary()
+        try:
+            verdict.write(self.run_dir, {
+                "status": status,
+                "steps": self.step,
+                "worst": summary["worst"],
+                "findings": summary["counts"],
+                "halted": self._halt,
+                "rollbacks": self.control.rollbacks,
+            })
+        except OSError as exc:
+            log.error("gradwatch: could not write the verdict of %s: %s", self.run_dir, exc)
 
     def __enter__(self) -> Watcher:
         return self
@@ -202,7 +297,7 @@ class Watcher:
             self._backward = (id(grad), grad._version)
 
     @_guarded
-    def _forward_started(self) -> None:
+    def _forward_started(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
         if self.closed:
             return
         if self._open is not None:
@@ -211,6 +306,8 @@ class Watcher:
             self._carry = (self._observed, self._probe.take_activations())
             self._observed = {}
         # until the next backward tells, this forward may belong to this step or the next one
+        if self._tracker is not None:
+            self._tracker.capture(args, kwargs or {})
         upcoming = (self.step, self.step + 1) if self._carry is not None else (self.step,)
         if self.options.activations and not self._compiled and any(self._sampled(s) for s in upcoming):
             self._probe.attach_activations(self._found.leaf_modules)
@@ -221,8 +318,12 @@ class Watcher:
         return grad is None or (id(grad), grad._version) != self._backward
 
     @_guarded
-    def _backward_started(self) -> None:
-        if self.closed or self._backward is None:
+    def _backward_started(self, grad: torch.Tensor | None = None) -> None:
+        if self.closed:
+            return
+        if self._tracker is not None and grad is not None:
+            self._tracker.output_grad(grad)
+        if self._backward is None:
             return
         dropped = self._gradients_dropped()
         self._backward = None
@@ -284,14 +385,21 @@ class Watcher:
         if self._open is None:
             self._open = self._begin_step(opt)
         self._open.optimizers.add(id(opt))
+        if self._open.skip:
+            entry = self._entry(opt)
+            assert entry is not None
+            self.control.hold(opt, [self._found.params[i] for i in entry.indices])
 
     @_guarded
     def _step_post(self, opt: torch.optim.Optimizer) -> None:
         step = self._open
-        if step is None or not step.before:
+        if step is None:
+            return
+        if step.skip:
+            self.control.give_back(opt)
             return
         entry = self._entry(opt)
-        if entry is None:
+        if entry is None or not step.before:
             return
         idx, parts = self._measure.update_norms(step.before, entry.indices)
         step.update_idx += idx
@@ -357,14 +465,57 @@ class Watcher:
             sampled=sampled,
             detail=sampled or nonfinite,
         )
+        return self._judge_step(record, launched, nonfinite)
+
+    def _judge_step(self, record: StepRecord, launched: Any, nonfinite: bool) -> _Open:
+        """Find what is wrong with the step and act on it before the optimizer applies it."""
+        loss = record.scalars.get("loss")
+        loss_finite = loss is None or math.isfinite(loss)
+        if self._tracker is not None:
+            if nonfinite or not loss_finite:
+                self._probe.paused = True
+                try:
+                    record.origin = self._tracker.find(loss_finite)
+                finally:
+                    self._probe.paused = False
+            self._tracker.clear()
+        self.control.begin(record.step, launched.grads, record.scalars["grad_norm"])
+        findings = self.judge.check(record)
+        self._current = record
+        self.judge.step(record, findings, self.control)  # may raise TrainingHalted
+        self._current = None
+        if self.control.skipping:
+            record.skipped = True
+            return _Open(record, skip=True)
+        self.control.healthy()
+        if self.snapshots is not None and not any(f.severity != "info" for f in findings):
+            self._maybe_snapshot(record.step)
         return _Open(record, before=self._measure.snapshot(launched))
+
+    def _maybe_snapshot(self, step: int) -> None:
+        """Keep a known-good snapshot every ``snapshot_every`` healthy steps (rollback rules only)."""
+        assert self.snapshots is not None
+        self._since_snapshot += 1
+        if self.snapshots.items and self._since_snapshot < self.options.snapshot_every:
+            return
+        self._since_snapshot = 0
+        self.snapshots.take(step, self.model(), *self.control.objects(), rng_state())
 
     def _resolve_pending(self, host: np.ndarray) -> None:
         """Complete the previous sampled step with its update norms and hand it to the writer."""
         pending, self._pending = self._pending, None
         assert pending is not None
         self._measure.update_ratios(pending.record.vectors, pending.update_idx, host)
-        self._writer.submit(pending.record)
+        late = self.judge.check_late(pending.record)
+        if late:
+            pending.record.logged = pending.record.detail = True
+        self._submit(pending.record)
+        if late:
+            self.judge.defer(late)
+
+    def _submit(self, record: StepRecord) -> None:
+        self._writer.submit(record)
+        self.judge.remember(record)
 
     def _close_step(self) -> None:
         step, self._open = self._open, None
@@ -373,7 +524,7 @@ class Watcher:
         if step.update_parts:
             self._pending = step
         else:
-            self._writer.submit(step.record)
+            self._submit(step.record)
 
     def _move_sentinel(self) -> None:
         """Put the sentinel on a parameter that does receive gradients."""
@@ -395,6 +546,11 @@ class Watcher:
             self._resolve_pending(host[len(obs_parts):])
         record = StepRecord(step=step, time=time.time(), layout=self._found.layout, scalars=scalars,
                             skipped=True, logged=self._logged(step))
-        self._writer.submit(record)
+        if self._tracker is not None:
+            self._tracker.clear()
+        findings = self.judge.check(record)
+        self._submit(record)
+        if findings:
+            self.judge.defer(findings)
         if not self._sampled(self.step):
             self._probe.detach_activations()

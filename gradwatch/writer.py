@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 from collections.abc import Sequence
 
+from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 from gradwatch.sinks import Sink
 
 log = logging.getLogger("gradwatch")
 
 _STOP = object()
+
+
+class _Findings(list):  # type: ignore[type-arg]
+    """A batch of findings in the queue (copies: the training thread may update the originals)."""
+
 _BATCH = 512
 
 
@@ -40,6 +47,11 @@ class Writer:
         self._queue.put(record)
         if self._queue.qsize() >= self._high_water:
             self._wake.set()
+
+    def submit_findings(self, findings: Sequence[Finding]) -> None:
+        """Queue findings (new, or written before and updated) for every sink that takes them."""
+        self._queue.put(_Findings([dataclasses.replace(f, data=dict(f.data)) for f in findings]))
+        self._wake.set()
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every record submitted before this call is written by every sink."""
@@ -75,7 +87,9 @@ class Writer:
                 if batch:  # a flush or stop marker: everything before it is written first
                     self._dispatch("write", batch)
                     batch = []
-                if isinstance(item, threading.Event):
+                if isinstance(item, _Findings):
+                    self._dispatch("write_findings", item)
+                elif isinstance(item, threading.Event):
                     item.set()
                 elif isinstance(item, tuple) and item and item[0] is _STOP:
                     self._dispatch("close", item[1])
@@ -85,7 +99,7 @@ class Writer:
 
     def _dispatch(self, method: str, arg: object) -> None:
         for i, sink in enumerate(self._sinks):
-            if i in self._failed:
+            if i in self._failed or not hasattr(sink, method):
                 continue
             try:
                 getattr(sink, method)(arg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 from gradwatch.store.writer import StoreWriter
 
@@ -18,6 +19,10 @@ class Store:
     def write(self, records: Sequence[StepRecord]) -> None:
         """Append records in one transaction."""
         self._writer.write(records)
+
+    def write_findings(self, findings: Sequence[Finding]) -> None:
+        """Insert findings, or update those written before (same id), in one transaction."""
+        self._writer.write_findings(findings)
 
     def close(self, status: str) -> None:
         """Write the final status and close the database."""

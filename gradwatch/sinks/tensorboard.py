@@ -23,6 +23,7 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 
+from gradwatch.findings import Finding
 from gradwatch.records import LAYER, StepRecord, present
 
 _counter = itertools.count()
@@ -68,13 +69,14 @@ class TensorBoard:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._file = EventFile(run_dir)
         self._tags: dict[tuple[int, str], list[str]] = {}
+        self._findings: set[int | None] = set()
 
     def write(self, records: Sequence[StepRecord]) -> None:
         """Write one event per record holding all of its values, then flush."""
         value = self._summary.Value
         for rec in records:
-            values = [value(tag=f"global/{k}", simple_value=v) for k, v in rec.scalars.items()]
-            if rec.skipped:
+            values = [] if rec.flight else [value(tag=f"global/{k}", simple_value=v) for k, v in rec.scalars.items()]
+            if rec.skipped and not rec.flight:
                 values.append(value(tag="global/skipped", simple_value=1.0))
             if rec.logged:
                 for (scope, metric), vec in rec.vectors.items():
@@ -87,6 +89,20 @@ class TensorBoard:
                     keep = np.flatnonzero(shown)
                     values.extend(value(tag=tags[i], simple_value=v) for i, v in zip(keep, vec[keep].tolist()))
             self._file.write(self._event(wall_time=rec.time, step=rec.step, summary=self._summary(value=values)))
+        self._file.flush()
+
+    def write_findings(self, findings: Sequence[Finding]) -> None:
+        """Findings as text (tag ``findings``), new ones only (updated repeat counts are not)."""
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        for f in findings:
+            if f.id in self._findings:
+                continue  # written before; this is an update of its count or outcome
+            self._findings.add(f.id)
+            where = f" `{f.layer}`" if f.layer else ""
+            action = f" → **{f.action}**" if f.action else ""
+            text = f"**{f.severity}** `{f.kind}`{where}: {f.message}{action}"
+            self._file.write(self._event(wall_time=time.time(), step=f.step, summary=text_pb("findings", text)))
         self._file.flush()
 
     def _layer_tags(self, rec: StepRecord, metric: str) -> list[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gradwatch.errors import RunError
+from gradwatch.findings import Finding
 from gradwatch.records import LAYER, PARAM, Layout, StepRecord, present
 from gradwatch.store.schema import DB_NAME, DDL, SCHEMA_VERSION, pack
 
@@ -98,6 +99,16 @@ class StoreWriter:
             conn.execute("ROLLBACK")
             raise
 
+    def write_findings(self, findings: Iterable[Finding]) -> None:
+        """Insert (or replace, by id) findings in one transaction."""
+        rows = [
+            (f.id, f.step, f.kind, f.severity, f.layer, f.phase, f.message, f.action,
+             json.dumps(f.data, default=_plain, allow_nan=True), time.time())
+            for f in findings
+        ]
+        with self._conn:
+            self._conn.executemany("INSERT OR REPLACE INTO findings VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
     def _write_layout(self, layout: Layout, step: int) -> None:
         leaves = set(layout.leaves)
         rows = [
@@ -129,6 +140,13 @@ class StoreWriter:
         except sqlite3.OperationalError:
             pass  # a reader holds the WAL open; it stays in WAL mode, which readers handle too
         self._conn.close()
+
+
+def _plain(value: Any) -> Any:
+    """JSON for numpy numbers and other simple objects in a finding's data."""
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
 
 
 def _real(value: float) -> float | None:

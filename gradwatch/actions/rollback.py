@@ -1,0 +1,22 @@
+"""Action ``rollback``: restore the last known-good snapshot instead of applying this step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradwatch.actions import Action, Control
+from gradwatch.findings import Finding
+from gradwatch.rules import Rule
+
+
+class Rollback(Action):
+    """Restore model, optimizers, LR schedulers, GradScaler and RNG; optionally skip the next
+    ``skip_batches`` batches and scale the LR by ``lr_scale``; after ``max_rollbacks`` halt.
+    """
+
+    name = "rollback"
+
+    def apply(self, rule: Rule | None, finding: Finding, control: Control) -> dict[str, Any]:
+        """Roll back."""
+        assert rule is not None
+        return control.rollback(rule.param("skip_batches"), rule.param("lr_scale"), rule.param("max_rollbacks"))

@@ -1,0 +1,19 @@
+"""Action ``skip``: this step changes nothing; parameters and optimizer state stay as they were."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradwatch.actions import Action, Control
+from gradwatch.findings import Finding
+from gradwatch.rules import Rule
+
+
+class Skip(Action):
+    """Skip the update; after ``max_consecutive`` skipped steps in a row, halt instead."""
+
+    name = "skip"
+
+    def apply(self, rule: Rule | None, finding: Finding, control: Control) -> dict[str, Any]:
+        """Skip the step."""
+        return control.skip(rule.param("max_consecutive") if rule is not None else 0)

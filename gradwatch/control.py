@@ -1,0 +1,169 @@
+"""Control of a plain training loop: how actions act, from inside the optimizer step hooks.
+
+- clip scales the gradients in place with a factor computed from the norms already read (no
+  extra device sync);
+- skip takes every gradient away from the optimizers stepping now (PyTorch optimizers leave a
+  parameter whose ``.grad`` is None untouched: no update, no state change, no weight decay) and
+  gives it back in their step post-hook, so the step changes nothing;
+- rollback restores a snapshot, then skips the step the same way;
+- halt raises ``gw.TrainingHalted`` out of ``optimizer.step()`` after the run is closed.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gradwatch import snapshots
+from gradwatch.errors import TrainingHalted
+from gradwatch.findings import Finding
+
+if TYPE_CHECKING:
+    from gradwatch.watcher import Watcher
+
+
+def _is_scheduler(obj: Any) -> bool:
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau))
+
+
+def _is_scaler(obj: Any) -> bool:
+    return isinstance(obj, torch.amp.GradScaler)
+
+
+class LoopControl:
+    """Acts on the optimizers, schedulers and scaler that train a watched model."""
+
+    def __init__(self, watcher: Watcher) -> None:
+        self._watcher = weakref.proxy(watcher)
+        self.grads: list[torch.Tensor] = []
+        self.total = math.nan
+        self.step = 0
+        self.skipping = False
+        self.consecutive_skips = 0
+        self.rollbacks = 0
+        self.pending_skips = 0
+        self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self._tracked: list[weakref.ref[Any]] = []
+        self._last_restored: int | None = None
+
+    # ---------------------------------------------------------- bookkeeping
+    def begin(self, step: int, grads: list[torch.Tensor], total: float) -> None:
+        """A new step's gradients (already measured) are about to be applied."""
+        self.step, self.grads, self.total, self.skipping = step, grads, total, False
+
+    def track(self, obj: Any) -> None:
+        """Also snapshot and restore this LR scheduler or GradScaler."""
+        if not (_is_scheduler(obj) or _is_scaler(obj)):
+            raise TypeError(f"track() takes LR schedulers and GradScalers, got {type(obj).__name__}")
+        if all(ref() is not obj for ref in self._tracked):
+            self._tracked.append(weakref.ref(obj))
+
+    def objects(self) -> tuple[list[torch.optim.Optimizer], list[Any], list[Any]]:
+        """The optimizers of the model, and the schedulers and scalers found for them."""
+        optimizers = self._watcher.optimizers()
+        found = [ref() for ref in self._tracked]
+        schedulers = [o for o in found if o is not None and _is_scheduler(o)]
+        scalers = [o for o in found if o is not None and _is_scaler(o)]
+        for opt in optimizers:  # schedulers hold their optimizer: ask the garbage collector who does
+            for ref in gc.get_referrers(opt):
+                if _is_scheduler(ref) and ref not in schedulers and getattr(ref, "optimizer", None) is opt:
+                    schedulers.append(ref)
+        if not scalers:
+            scalers = [o for o in gc.get_objects() if _is_scaler(o) and o.is_enabled()][:1]
+        return optimizers, schedulers, scalers
+
+    # -------------------------------------------------------------- actions
+    @torch.no_grad()
+    def clip(self, max_norm: float | None) -> dict[str, Any]:
+        """Scale the step's gradients so that their global norm is at most ``max_norm``."""
+        if max_norm is None:
+            exploding = self._watcher.judge.exploding
+            max_norm = exploding.upper() if exploding is not None else math.inf
+            if not math.isfinite(max_norm):  # no history yet: the baseline's typical norm, if any
+                max_norm = exploding.typical() if exploding is not None else math.nan
+            adaptive = True
+        else:
+            adaptive = False
+        if not math.isfinite(max_norm) or not math.isfinite(self.total) or self.total <= max_norm:
+            return {"clipped": False, "max_norm": max_norm, "adaptive": adaptive}
+        coef = max_norm / (self.total + 1e-6)
+        torch._foreach_mul_(self.grads, coef)
+        return {"clipped": True, "max_norm": max_norm, "adaptive": adaptive, "coef": coef}
+
+    def skip(self, max_consecutive: int) -> dict[str, Any]:
+        """Make this step change nothing."""
+        self.consecutive_skips += 1
+        if max_consecutive and self.consecutive_skips > max_consecutive:
+            self.halt(None, f"{max_consecutive} steps in a row had to be skipped")
+        self.skipping = True
+        return {"skipped": True, "consecutive": self.consecutive_skips}
+
+    def rollback(self, skip_batches: int, lr_scale: float, max_rollbacks: int) -> dict[str, Any]:
+        """Restore the last known-good snapshot and skip this step."""
+        store = self._watcher.snapshots
+        if store is None or not store.items:
+            self.skipping = True
+            return {"rolled_back": False, "reason": "no snapshot yet; the step was skipped instead"}
+        if self.rollbacks >= max_rollbacks:
+            self.halt(None, f"training needed more than {max_rollbacks} rollbacks")
+        candidates = [s for s in store.items if s.step <= self.step]
+        snap = candidates[-1]
+        if snap.step == self._last_restored and len(candidates) > 1:
+            snap = candidates[-2]  # the trouble came back before a newer snapshot: go further back
+        snapshots.restore(store.load(snap), self._watcher.model(), *snap.targets)
+        self.rollbacks += 1
+        self._last_restored = snap.step
+        self.pending_skips += skip_batches
+        if lr_scale != 1.0:
+            self.scale_lr(lr_scale)
+        self.skipping = True
+        self._watcher.snapshot_restored()
+        return {"rolled_back": True, "restored_step": snap.step, "rollbacks": self.rollbacks,
+                "skip_batches": skip_batches, "lr_scale": lr_scale}
+
+    def scale_lr(self, factor: float) -> dict[str, Any]:
+        """Multiply every parameter group's LR (and the schedulers' base LRs) by ``factor``."""
+        optimizers, schedulers, _ = self.objects()
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["lr"] * factor
+                if "initial_lr" in group:
+                    group["initial_lr"] = group["initial_lr"] * factor
+        for sched in schedulers:
+            if hasattr(sched, "base_lrs"):
+                sched.base_lrs = [lr * factor for lr in sched.base_lrs]
+            if hasattr(sched, "_last_lr"):
+                sched._last_lr = [lr * factor for lr in sched._last_lr]
+        lrs = [g["lr"] for opt in optimizers for g in opt.param_groups]
+        return {"factor": factor, "lr": float(lrs[0]) if lrs else None}
+
+    def halt(self, finding: Finding | None, reason: str | None = None) -> None:
+        """Close the run as halted and raise TrainingHalted from the optimizer step."""
+        step = finding.step if finding is not None else self.step
+        what = reason or (finding.message if finding is not None else "a rule halted training")
+        message = f"gradwatch halted training at step {step}: {what} (run: {self._watcher.run_dir})"
+        self._watcher.halted(step, what)
+        raise TrainingHalted(message, step=step, finding=finding)
+
+    # ------------------------------------------------- skipping the optimizer
+    def hold(self, opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        """Take the gradients of ``params`` away before ``opt`` steps (the step is skipped)."""
+        held = [(p, p.grad) for p in params]
+        for p in params:
+            p.grad = None
+        self._held[id(opt)] = held
+
+    def give_back(self, opt: torch.optim.Optimizer) -> None:
+        """Return the gradients taken before ``opt`` stepped."""
+        for p, grad in self._held.pop(id(opt), []):
+            p.grad = grad
+
+    def healthy(self) -> None:
+        """The step was applied normally."""
+        self.consecutive_skips = 0

@@ -1,0 +1,48 @@
+"""Detector ``amp_overflow``: the GradScaler skipped a step, or keeps skipping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gradwatch.detectors import Detector
+from gradwatch.findings import Finding
+from gradwatch.records import StepRecord
+
+HINT = (
+    "occasional skips while the scaler calibrates are normal; a run of them means gradients are "
+    "non-finite at any scale: look for a nonfinite finding, or train in bf16"
+)
+
+
+@dataclass
+class AmpOverflow(Detector):
+    """Steps whose gradients were dropped without an optimizer step (a GradScaler overflow).
+
+    Each skip is ``info`` (repeats are folded into a count); ``warn_after`` skips in a row are a
+    warning and ``error_after`` in a row an error: training is not progressing.
+
+    Attributes:
+        warn_after: consecutive skipped steps that make a warning.
+        error_after: consecutive skipped steps that make an error.
+    """
+
+    kind = "amp_overflow"
+    warn_after: int = 20
+    error_after: int = 100
+    _run: int = field(default=0, init=False, repr=False)
+
+    def check(self, record: StepRecord) -> list[Finding]:
+        """Count consecutive skipped steps."""
+        if not record.skipped:
+            self._run = 0
+            return []
+        self._run += 1
+        n = self._run
+        severity = "error" if n >= self.error_after else "warning" if n >= self.warn_after else "info"
+        if n == 1:
+            message = f"step {record.step} was skipped: its gradients were dropped without an optimizer step (GradScaler overflow)."
+        else:
+            message = f"{n} steps in a row skipped for gradient overflow up to step {record.step}: training is not progressing."
+        if severity != "info" and n not in (self.warn_after, self.error_after):
+            return []
+        return [self.finding(record, severity, None, message, value=float(n), data={"consecutive": n, "hint": HINT})]

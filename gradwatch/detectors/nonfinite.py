@@ -1,0 +1,97 @@
+"""Detector ``nonfinite``: NaN/Inf in the loss, the activations or the gradients, with its origin."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gradwatch.detectors import Detector
+from gradwatch.findings import Finding
+from gradwatch.records import PARAM, StepRecord, present
+
+HINT = (
+    "guard the op that produced it (log/sqrt/division need a positive argument: add an epsilon or clamp), "
+    "check the batch for NaN/Inf, lower the learning rate, or use bf16 instead of fp16"
+)
+
+
+@dataclass
+class NonFinite(Detector):
+    """NaN/Inf in the loss, gradients or (on sampled steps) activations: always an error.
+
+    Its ``layer`` is the origin found by replaying the step (see :mod:`gradwatch.origin`): the
+    first module whose output went non-finite while its inputs were finite (forward), or the
+    first module in backward order whose input gradient went non-finite while its output
+    gradient was finite (backward); None when the model's input or the loss was the origin.
+    """
+
+    kind = "nonfinite"
+
+    def check(self, record: StepRecord) -> list[Finding]:
+        """Report a step whose loss, gradients or activations are not all finite."""
+        if record.skipped:
+            return []
+        loss = record.scalars.get("loss")
+        bad_loss = loss is not None and not math.isfinite(loss)
+        counts = record.vector("grad_nonfinite", PARAM)
+        bad_grads = int(np.nansum(counts)) if counts is not None else 0
+        act = record.vector("act_norm")
+        bad_act = np.zeros(0, dtype=bool)
+        if act is not None:
+            bad_act = present(record, "layer", "act_norm") & ~np.isfinite(act)
+        if not (bad_loss or bad_grads or bad_act.any()):
+            return []
+        origin = dict(record.origin or self._attribute(record, bad_act))
+        layers = record.layout.layers
+        grad_counts = record.vector("grad_nonfinite")
+        bad_layers = [layers[i] for i in np.flatnonzero(np.nan_to_num(grad_counts) > 0)] if grad_counts is not None else []
+        what = []
+        if bad_loss:
+            what.append(f"the loss is {loss}")
+        if bad_grads:
+            what.append(f"{bad_grads:,} gradient elements in {len(bad_layers)} layers are NaN/Inf")
+        if bad_act.any():
+            what.append(f"{int(bad_act.sum())} layers' activations are NaN/Inf")
+        message = f"{_where(origin)} at step {record.step}: {', '.join(what)}."
+        data: dict[str, Any] = {
+            "origin": origin.get("how", "attributed"),
+            "type": origin.get("type"),
+            "loss": loss,
+            "nonfinite_grads": bad_grads,
+            "layers": bad_layers[:20],
+            "hint": HINT,
+        }
+        if origin.get("note"):
+            data["note"] = origin["note"]
+        return [self.finding(record, "error", origin.get("layer"), message, value=float(bad_grads),
+                             phase=origin.get("phase"), data=data)]
+
+    @staticmethod
+    def _attribute(record: StepRecord, bad_act: np.ndarray) -> dict[str, Any]:
+        """The cheap attribution used when the step could not be replayed."""
+        layout = record.layout
+        if bad_act.any():
+            i = int(np.flatnonzero(bad_act)[0])
+            return {"phase": "forward", "layer": layout.layers[i], "type": layout.layer_types[i], "how": "attributed"}
+        counts = record.vector("grad_nonfinite")
+        if counts is not None and np.nansum(counts) > 0:
+            i = int(np.flatnonzero(np.nan_to_num(counts) > 0)[-1])  # backward runs in reverse model order
+            return {"phase": "backward", "layer": layout.layers[i], "type": layout.layer_types[i], "how": "attributed"}
+        return {"phase": "forward", "layer": None, "how": "attributed", "source": "loss"}
+
+
+def _where(origin: dict[str, Any]) -> str:
+    phase, layer = origin.get("phase"), origin.get("layer")
+    if layer is not None:
+        guess = "" if origin.get("how") == "replayed" else " (approximately: the step could not be replayed)"
+        kind = f" ({origin['type']})" if origin.get("type") else ""
+        return f"NaN/Inf first appeared in the {phase} pass of {layer}{kind}{guess}"
+    source = origin.get("source")
+    if source == "input":
+        return "The model's input batch holds NaN/Inf"
+    if phase == "backward":
+        return "The gradient of the loss with respect to the model's output is already NaN/Inf (born in the loss)"
+    return "The model's output is finite but the loss is NaN/Inf (born in the loss function)"

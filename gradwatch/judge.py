@@ -1,0 +1,135 @@
+"""Judge: per step, detectors -> rules -> (persist, print) -> actions, plus the flight recorder.
+
+The watcher hands each step's record to :meth:`Judge.step` from inside the optimizer's step
+pre-hook, before the update is applied. Findings are written to the store (and TensorBoard,
+and the console) and flushed before any action runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from gradwatch import actions, detectors
+from gradwatch.actions import Control
+from gradwatch.config import Config
+from gradwatch.findings import Cooldown, Finding, rank
+from gradwatch.options import Options
+from gradwatch.records import StepRecord
+from gradwatch.rules import decide
+from gradwatch.writer import Writer
+
+_STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
+
+
+class Judge:
+    """Runs the detectors on every record and the rules' actions on what they find."""
+
+    def __init__(self, config: Config, options: Options, writer: Writer) -> None:
+        self.rules = config.rules
+        all_detectors = [d for d in detectors.build(options.detectors) if d.enabled]
+        self._now = [d for d in all_detectors if not d.late]
+        self._late = [d for d in all_detectors if d.late]
+        self.exploding = next((d for d in all_detectors if d.kind == "exploding"), None)
+        self._writer = writer
+        self._fold = Cooldown(options.cooldown)
+        self._flight: deque[StepRecord] = deque(maxlen=options.flight_recorder)
+        self._ids = itertools.count(1)
+        self._console = Console(stderr=True, highlight=False) if options.console else None
+        self._deferred: list[Finding] = []
+        self.counts: dict[str, int] = {"info": 0, "warning": 0, "error": 0}
+        self.worst: str | None = None
+        self.acting = config.rules is not None and any(r.do != "warn" for r in config.rules)
+        self.rolls_back = config.rules is not None and any(r.do == "rollback" for r in config.rules)
+
+    # ---------------------------------------------------------------- checks
+    def check(self, record: StepRecord) -> list[Finding]:
+        """Run the per-step detectors on a record."""
+        return [f for d in self._now for f in d.check(record)]
+
+    def check_late(self, record: StepRecord) -> list[Finding]:
+        """Run the detectors that judge a step's applied update (one step later)."""
+        return [f for d in self._late for f in d.check(record)]
+
+    def remember(self, record: StepRecord) -> None:
+        """Keep a record in the flight recorder (records written without their per-layer rows)."""
+        if not record.logged:
+            self._flight.append(record)
+
+    # ------------------------------------------------------------- decisions
+    def defer(self, findings: Sequence[Finding]) -> None:
+        """Persist findings made outside an optimizer step; their actions run at the next step."""
+        self.record(findings)
+        self._deferred.extend(f for f in findings if self.rules)
+
+    def step(self, record: StepRecord, findings: list[Finding], control: Control) -> str:
+        """Persist the step's findings, then run the actions the rules decide.
+
+        Returns:
+            the main action that ran (``warn`` when training was not touched).
+        """
+        findings = [*self._deferred, *findings]
+        self._deferred = []
+        if not findings:
+            return "warn"
+        decision = decide(self.rules or [], findings)
+        if self.rules is None:  # record only: nothing may change training
+            decision.actions = {"warn": [(f, None) for f in findings]}
+        for action, pairs in decision.actions.items():
+            for finding, _ in pairs:
+                finding.action = action if decision.runs(action) else decision.main
+        record.logged = record.detail = True  # the step itself is kept at full resolution
+        self.record(findings)
+        self._writer.flush()  # a finding is on disk before its action runs
+        for action in ("clip", "scale_lr", "skip", "rollback", "halt"):
+            if decision.runs(action):
+                finding, rule = decision.actions[action][0]
+                outcome = actions.REGISTRY[action].apply(rule, finding, control)
+                if outcome:
+                    finding.data.setdefault("outcome", {}).update(outcome)
+                    self._writer.submit_findings([finding])
+        return decision.main
+
+    def record(self, findings: Sequence[Finding]) -> None:
+        """Write findings (and the flight recorder's lead-up) and print them; fold repeats."""
+        fresh = []
+        for f in findings:
+            self.counts[f.severity] += 1
+            if self.worst is None or rank(f.severity) > rank(self.worst):
+                self.worst = f.severity
+            if self._fold.admit(f):
+                f.id = next(self._ids)
+                fresh.append(f)
+        if not fresh:
+            return
+        for old in self._flight:
+            self._writer.submit(dataclasses.replace(old, logged=True, detail=True, flight=True))
+        self._flight.clear()
+        self._writer.submit_findings([*fresh, *self._fold.take_updated()])
+        for f in fresh:
+            self._print(f)
+
+    def close(self) -> None:
+        """Write the final repeat counts of folded findings."""
+        updated = self._fold.take_updated()
+        if updated:
+            self._writer.submit_findings(updated)
+
+    def _print(self, f: Finding) -> None:
+        if self._console is None:
+            return
+        where = f" [bold]{escape(f.layer)}[/bold]" if f.layer else ""
+        action = f" -> {f.action}" if f.action and f.action != "warn" else ""
+        self._console.print(
+            f"[{_STYLE[f.severity]}]gradwatch {f.severity}[/] step {f.step} {f.kind}{where}: {escape(f.message)}{action}"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Counts of findings by severity and the worst severity seen."""
+        return {"counts": dict(self.counts), "worst": self.worst}

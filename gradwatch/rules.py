@@ -1,0 +1,198 @@
+"""Rules: which action each finding gets — ``gw.Rule(when=kind, do=action, ...)``, validated as data.
+
+A rule matches a finding by kind (or ``"*"``), optionally narrowed by minimum severity, a layer
+glob and a threshold on the finding's value; rules are tried in order and the first match
+decides the finding's action. A finding that no rule matches is recorded and printed (``warn``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradwatch.errors import ConfigError
+from gradwatch.findings import KINDS, SEVERITIES, Finding, rank
+
+#: action -> {parameter: (type, default; REQUIRED if it has none)}
+REQUIRED = object()
+ACTIONS: dict[str, dict[str, tuple[type, Any]]] = {
+    "warn": {},
+    "clip": {"max_norm": (float, None)},
+    "skip": {"max_consecutive": (int, 20)},
+    "rollback": {"skip_batches": (int, 0), "lr_scale": (float, 1.0), "max_rollbacks": (int, 3)},
+    "scale_lr": {"factor": (float, REQUIRED)},
+    "halt": {},
+}
+#: when one step's findings call for several actions, the strongest one runs (clip and
+#: scale_lr run together when nothing stronger is called for)
+PRECEDENCE = ("halt", "rollback", "skip", "clip", "scale_lr", "warn")
+MATCH_FIELDS = ("when", "do", "severity", "layer", "above", "below")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A finding kind (optionally narrowed) -> an action with its parameters.
+
+    Args:
+        when: a finding kind, or ``"*"`` for every kind.
+        do: ``warn``, ``clip``, ``skip``, ``rollback``, ``scale_lr`` or ``halt``.
+        severity: only findings at least this severe (``info``, ``warning``, ``error``).
+        layer: only findings whose layer matches this glob (e.g. ``"encoder.*"``).
+        above: only findings whose value is above this number.
+        below: only findings whose value is below this number.
+        **params: the action's parameters: ``clip``: ``max_norm`` (omit for adaptive);
+            ``skip``: ``max_consecutive`` (halt after that many skipped steps in a row, 0 never);
+            ``rollback``: ``skip_batches``, ``lr_scale``, ``max_rollbacks``; ``scale_lr``: ``factor``.
+
+    Raises:
+        ConfigError: an unknown kind, action, severity or parameter, or a wrong type.
+    """
+
+    when: str
+    do: str
+    severity: str | None = None
+    layer: str | None = None
+    above: float | None = None
+    below: float | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __init__(self, when: str, do: str, *, severity: str | None = None, layer: str | None = None,
+                 above: float | None = None, below: float | None = None, **params: Any) -> None:
+        table = {"when": when, "do": do, "severity": severity, "layer": layer, "above": above, "below": below}
+        checked = _validate({k: v for k, v in table.items() if v is not None} | params, "gw.Rule")
+        for name in MATCH_FIELDS:
+            object.__setattr__(self, name, checked.pop(name, None))
+        object.__setattr__(self, "params", checked)
+
+    def matches(self, finding: Finding) -> bool:
+        """Whether this rule applies to ``finding``."""
+        if self.when not in ("*", finding.kind):
+            return False
+        if self.severity is not None and rank(finding.severity) < rank(self.severity):
+            return False
+        if self.layer is not None and (finding.layer is None or not fnmatch.fnmatchcase(finding.layer, self.layer)):
+            return False
+        value = finding.value
+        if self.above is not None and not (value is not None and value > self.above):
+            return False
+        return not (self.below is not None and not (value is not None and value < self.below))
+
+    def param(self, name: str) -> Any:
+        """An action parameter, or its default."""
+        return self.params.get(name, ACTIONS[self.do][name][1])
+
+    def __repr__(self) -> str:
+        fields = [f"when={self.when!r}", f"do={self.do!r}"]
+        fields += [f"{k}={getattr(self, k)!r}" for k in MATCH_FIELDS[2:] if getattr(self, k) is not None]
+        fields += [f"{k}={v!r}" for k, v in self.params.items()]
+        return f"Rule({', '.join(fields)})"
+
+
+def _choices(values: Iterable[str]) -> str:
+    return ", ".join(values)
+
+
+def _validate(table: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Check one rule given as data; returns it with numbers normalised."""
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where}: a rule must be a table with 'when' and 'do', got {table!r}")
+    for key in ("when", "do"):
+        if key not in table:
+            raise ConfigError(f"{where}: missing field {key!r}; a rule needs 'when' (a finding kind) and 'do' (an action)")
+    out: dict[str, Any] = {}
+    when, do = table["when"], table["do"]
+    if not isinstance(when, str) or when not in (*KINDS, "*"):
+        raise ConfigError(f"{where}: field 'when': unknown finding kind {when!r}; valid kinds are: {_choices(KINDS)}, *")
+    if not isinstance(do, str) or do not in ACTIONS:
+        raise ConfigError(f"{where}: field 'do': unknown action {do!r}; valid actions are: {_choices(ACTIONS)}")
+    out["when"], out["do"] = when, do
+    params = ACTIONS[do]
+    for key, value in table.items():
+        if key in ("when", "do"):
+            continue
+        if key == "severity":
+            if not isinstance(value, str) or value not in SEVERITIES:
+                raise ConfigError(f"{where}: field 'severity': {value!r} is not a severity; valid severities are: {_choices(SEVERITIES)}")
+        elif key == "layer":
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{where}: field 'layer' must be a non-empty glob string such as 'encoder.*', got {value!r}")
+        elif key in ("above", "below"):
+            value = _number(where, key, value, float)
+        elif key in params:
+            value = _number(where, key, value, params[key][0])
+            if key in ("factor", "lr_scale", "max_norm") and value <= 0:
+                raise ConfigError(f"{where}: field {key!r} must be greater than 0, got {value!r}")
+        else:
+            valid = [*MATCH_FIELDS, *params]
+            raise ConfigError(f"{where}: unknown field {key!r} for action {do!r}; valid fields are: {_choices(valid)}")
+        out[key] = value
+    for key, (_, default) in params.items():
+        if default is REQUIRED and key not in out:
+            raise ConfigError(f"{where}: action {do!r} needs field {key!r}")
+    return out
+
+
+def _number(where: str, key: str, value: Any, kind: type) -> Any:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    elif ok:
+        ok = math.isfinite(value)
+    if not ok:
+        expected = "a non-negative integer" if kind is int else "a finite number"
+        raise ConfigError(f"{where}: field {key!r} must be {expected}, got {value!r}")
+    return kind(value)
+
+
+def parse(rules: Sequence[Any], where: str) -> list[Rule]:
+    """Rules from data (tables from a config file) or Rule objects, validated."""
+    if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Sequence):
+        raise ConfigError(f"{where}: 'rules' must be a list of rule tables, got {type(rules).__name__}")
+    out = []
+    for i, item in enumerate(rules):
+        if isinstance(item, Rule):
+            out.append(item)
+            continue
+        checked = _validate(item, f"{where}: rules[{i}]")
+        match = {k: checked.pop(k) for k in MATCH_FIELDS if k in checked}
+        out.append(Rule(**match, **checked))
+    return out
+
+
+DEFAULT_RULES: tuple[Rule, ...] = (
+    Rule(when="nonfinite", do="skip"),
+    Rule(when="exploding", do="clip"),
+)
+
+
+@dataclass
+class Decision:
+    """What one step's findings call for: one main action and the findings behind each action."""
+
+    actions: dict[str, list[tuple[Finding, Rule | None]]] = field(default_factory=dict)
+
+    @property
+    def main(self) -> str:
+        """The strongest action called for (``warn`` when none)."""
+        return next((a for a in PRECEDENCE if a in self.actions), "warn")
+
+    def runs(self, action: str) -> bool:
+        """Whether ``action`` runs this step (clip/scale_lr yield to skip, rollback and halt)."""
+        if action not in self.actions:
+            return False
+        if action in ("clip", "scale_lr"):
+            return self.main in ("clip", "scale_lr", "warn")
+        return action == self.main
+
+
+def decide(rules: Sequence[Rule], findings: Sequence[Finding]) -> Decision:
+    """Match each finding with the first rule that applies."""
+    decision = Decision()
+    for finding in findings:
+        rule = next((r for r in rules if r.matches(finding)), None)
+        action = rule.do if rule is not None else "warn"
+        decision.actions.setdefault(action, []).append((finding, rule))
+    return decision
