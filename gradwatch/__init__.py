@@ -21,15 +21,19 @@ from gradwatch.errors import (
     SchemaError,
     TrainingHalted,
 )
+from gradwatch.findings import Finding
 from gradwatch.registry import unwatch, watch, watcher
+from gradwatch.rules import Rule
 from gradwatch.store.reader import Run, open_run
 from gradwatch.watcher import Watcher
 
 __all__ = [
     "ConfigError",
+    "Finding",
     "GradwatchError",
     "GradwatchWarning",
     "InternalWarning",
+    "Rule",
     "Run",
     "RunError",
     "SchemaError",

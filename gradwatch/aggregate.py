@@ -37,5 +37,6 @@ class Aggregator:
     def max(self, values: np.ndarray, has: np.ndarray) -> np.ndarray:
         """Layer maximum of parameter values (NaN propagates)."""
         out = np.full(self._n, -np.inf)
-        np.maximum.at(out, self._layer, np.where(has, values.astype(np.float64), -np.inf)[self._param])
+        with np.errstate(invalid="ignore"):  # a NaN gradient makes its layer's maximum NaN
+            np.maximum.at(out, self._layer, np.where(has, values.astype(np.float64), -np.inf)[self._param])
         return np.where(self._count(has) > 0, out, np.nan)

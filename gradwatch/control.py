@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradwatch import snapshots
-from gradwatch.errors import TrainingHalted
+from gradwatch.errors import RunError, TrainingHalted
 from gradwatch.findings import Finding
 
 if TYPE_CHECKING:
@@ -29,11 +29,11 @@ if TYPE_CHECKING:
 def _is_scheduler(obj: Any) -> bool:
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    return isinstance(obj, (LRScheduler, ReduceLROnPlateau))
+    return issubclass(type(obj), (LRScheduler, ReduceLROnPlateau))  # type(): no __class__ lookups
 
 
 def _is_scaler(obj: Any) -> bool:
-    return isinstance(obj, torch.amp.GradScaler)
+    return issubclass(type(obj), torch.amp.GradScaler)
 
 
 class LoopControl:
@@ -51,6 +51,7 @@ class LoopControl:
         self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._tracked: list[weakref.ref[Any]] = []
         self._last_restored: int | None = None
+        self._found: tuple[tuple[int, ...], list[weakref.ref[Any]], list[weakref.ref[Any]]] | None = None
 
     # ---------------------------------------------------------- bookkeeping
     def begin(self, step: int, grads: list[torch.Tensor], total: float) -> None:
@@ -65,18 +66,26 @@ class LoopControl:
             self._tracked.append(weakref.ref(obj))
 
     def objects(self) -> tuple[list[torch.optim.Optimizer], list[Any], list[Any]]:
-        """The optimizers of the model, and the schedulers and scalers found for them."""
+        """The optimizers of the model, and the LR schedulers and GradScaler that go with them.
+
+        Schedulers of these optimizers and an enabled GradScaler are found once by a scan of
+        the garbage collector's objects (again when the set of optimizers changes); objects
+        given to :meth:`track` are always included.
+        """
         optimizers = self._watcher.optimizers()
-        found = [ref() for ref in self._tracked]
-        schedulers = [o for o in found if o is not None and _is_scheduler(o)]
-        scalers = [o for o in found if o is not None and _is_scaler(o)]
-        for opt in optimizers:  # schedulers hold their optimizer: ask the garbage collector who does
-            for ref in gc.get_referrers(opt):
-                if _is_scheduler(ref) and ref not in schedulers and getattr(ref, "optimizer", None) is opt:
-                    schedulers.append(ref)
-        if not scalers:
-            scalers = [o for o in gc.get_objects() if _is_scaler(o) and o.is_enabled()][:1]
-        return optimizers, schedulers, scalers
+        key = tuple(id(o) for o in optimizers)
+        if self._found is None or self._found[0] != key:
+            ids = set(key)
+            objs = gc.get_objects()
+            schedulers = [o for o in objs if _is_scheduler(o) and id(getattr(o, "optimizer", None)) in ids]
+            scalers = [o for o in objs if _is_scaler(o) and o.is_enabled()][:1]
+            self._found = (key, [weakref.ref(o) for o in schedulers], [weakref.ref(o) for o in scalers])
+        tracked = [ref() for ref in self._tracked]
+        schedulers = [o for o in (r() for r in self._found[1]) if o is not None]
+        scalers = [o for o in (r() for r in self._found[2]) if o is not None]
+        schedulers += [o for o in tracked if o is not None and _is_scheduler(o) and o not in schedulers]
+        explicit = [o for o in tracked if o is not None and _is_scaler(o)]
+        return optimizers, schedulers, explicit or scalers
 
     # -------------------------------------------------------------- actions
     @torch.no_grad()
@@ -113,10 +122,19 @@ class LoopControl:
         if self.rollbacks >= max_rollbacks:
             self.halt(None, f"training needed more than {max_rollbacks} rollbacks")
         candidates = [s for s in store.items if s.step <= self.step]
-        snap = candidates[-1]
-        if snap.step == self._last_restored and len(candidates) > 1:
-            snap = candidates[-2]  # the trouble came back before a newer snapshot: go further back
-        snapshots.restore(store.load(snap), self._watcher.model(), *snap.targets)
+        if len(candidates) > 1 and candidates[-1].step == self._last_restored:
+            candidates.pop()  # the trouble came back before a newer snapshot: go further back
+        problems = []
+        for snap in reversed(candidates):
+            try:
+                saved = store.load(snap)
+            except RunError as exc:  # never restore a corrupted snapshot; try an older one
+                problems.append(str(exc))
+                continue
+            snapshots.restore(saved, self._watcher.model(), *snap.targets)
+            break
+        else:
+            self.halt(None, "no intact snapshot to roll back to" + (f" ({'; '.join(problems)})" if problems else ""))
         self.rollbacks += 1
         self._last_restored = snap.step
         self.pending_skips += skip_batches
@@ -125,7 +143,7 @@ class LoopControl:
         self.skipping = True
         self._watcher.snapshot_restored()
         return {"rolled_back": True, "restored_step": snap.step, "rollbacks": self.rollbacks,
-                "skip_batches": skip_batches, "lr_scale": lr_scale}
+                "skip_batches": skip_batches, "lr_scale": lr_scale, "refused": problems}
 
     def scale_lr(self, factor: float) -> dict[str, Any]:
         """Multiply every parameter group's LR (and the schedulers' base LRs) by ``factor``."""

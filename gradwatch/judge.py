@@ -83,7 +83,7 @@ class Judge:
             decision.actions = {"warn": [(f, None) for f in findings]}
         for action, pairs in decision.actions.items():
             for finding, _ in pairs:
-                finding.action = action if decision.runs(action) else decision.main
+                finding.action = action if action == "warn" or decision.runs(action) else decision.main
         record.logged = record.detail = True  # the step itself is kept at full resolution
         self.record(findings)
         self._writer.flush()  # a finding is on disk before its action runs

@@ -21,13 +21,16 @@ class LossSpike(Detector):
     """The loss (observed with ``watcher.observe(loss=...)``) against an EMA of its history.
 
     Flagged when ``loss - mean > max(z * std, ratio * |mean|)`` once ``warmup`` losses have
-    entered the baseline. Flagged and non-finite losses never enter it.
+    entered the baseline. Flagged and non-finite losses never enter it. A run of flagged steps
+    is one spike, reported at its first step; a loss that stays high for ``adapt_after``
+    steps is a new level, and the baseline follows it from then on.
 
     Attributes:
         z: z-score beyond which a loss is flagged.
         ratio: a flagged loss also exceeds the mean by at least this fraction of it.
         beta: EMA decay of the baseline.
         warmup: losses in the baseline before it judges.
+        adapt_after: consecutive flagged steps after which the baseline accepts the new level.
     """
 
     kind = "loss_spike"
@@ -35,7 +38,9 @@ class LossSpike(Detector):
     ratio: float = 1.0
     beta: float = 0.98
     warmup: int = 20
+    adapt_after: int = 20
     _ema: Ema = field(init=False, repr=False)
+    _run: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._ema = Ema(self.beta)
@@ -48,8 +53,10 @@ class LossSpike(Detector):
         ema = self._ema
         mean, std = float(ema.mean), float(ema.std())
         flagged = bool(ema.ready(self.warmup)) and loss - mean > max(self.z * std, self.ratio * abs(mean))
-        if not flagged:
+        self._run = self._run + 1 if flagged else 0
+        if not flagged or self._run > self.adapt_after:
             ema.update(loss)
+        if self._run != 1:
             return []
         message = f"loss {loss:.4g} at step {record.step} is {(loss - mean) / max(std, 1e-12):.3g} std above its recent mean {mean:.4g}."
         return [self.finding(record, "warning", None, message, value=loss,

@@ -123,6 +123,13 @@ class Run:
         return str(status)
 
     @property
+    def verdict(self) -> dict[str, Any] | None:
+        """The run's ``verdict.json`` (status, worst severity, finding counts, halt), None while running."""
+        from gradwatch import verdict
+
+        return verdict.read(self.path)
+
+    @property
     def steps(self) -> int:
         """How many optimizer steps the run recorded."""
         return int(self._query("SELECT COUNT(*) FROM steps")[0][0])
