@@ -28,6 +28,22 @@ def test_demo_trains_writes_a_run_and_summarises_it(tmp_path: Path) -> None:
     assert "tensorboard --logdir" in out
 
 
+def test_demo_pathologies_are_found_and_rescued(tmp_path: Path) -> None:
+    """The full demo: a NaN born in `features` at step 100 is skipped, the explosion at 180 clipped."""
+    result = gradwatch("demo", "--run", str(tmp_path / "demo"))
+    assert result.returncode == 0, result.stderr
+    run = gw.open_run(tmp_path / "demo")
+    found = run.findings()
+    key = list(zip(found.step, found.kind, found.layer, found.action))
+    assert (100, "nonfinite", "features", "skip") in key
+    assert (180, "exploding", "head", "clip") in key
+    assert set(found.severity[found.step < 100]) <= {"info"}, "the healthy stretch before the trouble is quiet"
+    loss = run.scalars()["loss"]
+    assert loss.iloc[-20:].mean() < 0.1 * loss.iloc[:20].mean()
+    assert "findings" in result.stdout and "features" in result.stdout and "skip" in result.stdout
+    assert run.verdict["worst"] == "error" and run.verdict["status"] == "finished"
+
+
 def test_demo_default_run_directory(tmp_path: Path) -> None:
     result = gradwatch("demo", "--steps", "5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

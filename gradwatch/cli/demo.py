@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gradwatch.cli import cli
@@ -23,11 +25,28 @@ def demo(run_dir: Path, steps: int) -> None:
 
     console = Console()
     with console.status(f"training the demo model for {steps} steps ..."):
-        path = run_demo(run_dir, steps=steps)
+        path = run_demo(run_dir, steps=steps, console=False)
     with open_run(path) as run:
         render(console, path, summarize(run))
+        render_findings(console, run.findings())
     console.print(f"\nTensorBoard:  tensorboard --logdir {path.parent}")
     console.print(f"In Python:    gw.open_run({str(path)!r}).metrics()")
+
+
+def render_findings(console: Console, findings: pd.DataFrame) -> None:
+    """Print a run's findings: step, severity, kind, layer, action and message."""
+    if findings.empty:
+        console.print("[green]no findings[/green]")
+        return
+    table = Table(title="findings")
+    for col in ("step", "severity", "kind", "layer", "action", "message"):
+        table.add_column(col, overflow="fold")
+    for row in findings.itertuples():
+        layer = row.layer if isinstance(row.layer, str) else "-"
+        repeats = row.data.get("repeats", 1) if isinstance(row.data, dict) else 1
+        step = f"{row.step}" + (f" (x{repeats})" if repeats > 1 else "")
+        table.add_row(step, row.severity, row.kind, layer, row.action or "-", escape(row.message))
+    console.print(table)
 
 
 def _fmt(value: float) -> str:
