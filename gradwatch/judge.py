@@ -74,13 +74,12 @@ class Judge:
         Returns:
             the main action that ran (``warn`` when training was not touched).
         """
-        findings = [*self._deferred, *findings]
-        self._deferred = []
-        if not findings:
+        deferred, self._deferred = self._deferred, []  # recorded already, acted on now
+        if not findings and not deferred:
             return "warn"
-        decision = decide(self.rules or [], findings)
+        decision = decide(self.rules or [], [*deferred, *findings])
         if self.rules is None:  # record only: nothing may change training
-            decision.actions = {"warn": [(f, None) for f in findings]}
+            decision.actions = {"warn": [(f, None) for f in [*deferred, *findings]]}
         for action, pairs in decision.actions.items():
             for finding, _ in pairs:
                 finding.action = action if action == "warn" or decision.runs(action) else decision.main

@@ -1,0 +1,167 @@
+"""Detectors on planted pathologies (kind, layer, step exact) and silence on healthy training."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gradwatch as gw
+
+
+def fit(model: nn.Module, run_dir: Path, steps: int, *, lr: float = 0.05, opt: str = "sgd",
+        batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None, **kw: object) -> gw.Run:
+    gw.watch(model, run=run_dir, console=False, **kw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr) if opt == "sgd" else torch.optim.Adam(params, lr=lr)
+    teacher = torch.randn(8, 1, generator=torch.Generator().manual_seed(1))
+    for step in range(steps):
+        if batch is not None:
+            x, y = batch(step)
+        else:
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(32, 8, generator=gen)
+            y = torch.tanh(x @ teacher)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        optimizer.step()
+    gw.unwatch(model)
+    return gw.open_run(run_dir)
+
+
+def first(run: gw.Run, kind: str) -> tuple[int, str | None]:
+    found = run.findings()
+    rows = found[found.kind == kind]
+    assert len(rows), f"no {kind} finding; found: {list(zip(found.kind, found.step, found.layer))}"
+    layer = rows.iloc[0].layer
+    return int(rows.iloc[0].step), layer if isinstance(layer, str) else None
+
+
+def test_vanishing_in_a_deep_sigmoid_stack(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 32), nn.Sigmoid()]
+    for _ in range(14):
+        layers += [nn.Linear(32, 32), nn.Sigmoid()]
+    model = nn.Sequential(*layers, nn.Linear(32, 1))
+    run = fit(model, run_dir, 15)
+    assert first(run, "vanishing") == (9, "0"), "the first layer, after patience=10 steps from step 0"
+
+
+def test_dead_relu_from_a_huge_negative_bias(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)
+    run = fit(model, run_dir, 25)
+    assert first(run, "dead_units") == (10, "1"), "sampled steps 0 and 10"
+    assert first(run, "vanishing") == (9, "0"), "no gradient flows back through the dead ReLU"
+
+
+def test_saturated_sigmoid(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Sigmoid(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(200.0)
+    run = fit(model, run_dir, 15)
+    assert first(run, "saturation") == (10, "1")
+
+
+def test_unused_submodule_and_accidental_detach(run_dir: Path) -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+            self.head = nn.Linear(16, 1)
+            self.unused = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(x).detach())
+
+    run = fit(Model(), run_dir, 5)
+    found = run.findings()
+    unused = found[found.kind == "unused_parameter"]
+    assert set(zip(unused.step, unused.layer)) == {(2, "encoder.0"), (2, "unused")}
+    assert set(unused.data.iloc[0]["parameters"]) | set(unused.data.iloc[1]["parameters"]) == {
+        "encoder.0.weight", "encoder.0.bias", "unused.weight", "unused.bias"}
+
+
+def test_frozen_parameters_are_not_unused(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model[0].requires_grad_(False)
+    run = fit(model, run_dir, 5)
+    assert "unused_parameter" not in set(run.findings().kind)
+
+
+def test_loss_spike_and_exploding_on_a_corrupted_batch(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    teacher = torch.randn(8, 1, generator=torch.Generator().manual_seed(1))
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+        y = torch.tanh(x @ teacher)
+        return x, y * (100.0 if step == 70 else 1.0)
+
+    run = fit(model, run_dir, 80, batch=batch, rules=None)
+    assert first(run, "loss_spike") == (70, None)
+    step, layer = first(run, "exploding")
+    assert step == 70 and layer is not None
+
+
+def test_update_ratio_too_large(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    run = fit(model, run_dir, 25, lr=20.0, rules=None, sample_every=1)
+    step, layer = first(run, "update_ratio")
+    assert step == 1 and layer in {"0", "2"}
+
+
+def test_amp_overflow_is_info_and_repeats_are_counted(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(12):
+        x = torch.randn(16, 8)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        if step in (3, 4, 5):
+            continue  # the loop drops these gradients without a step, as a GradScaler does on overflow
+        opt.step()
+    gw.unwatch(model)
+    found = gw.open_run(run_dir).findings()
+    amp = found[found.kind == "amp_overflow"]
+    assert list(zip(amp.step, amp.severity)) == [(3, "info")]
+    assert amp.data.iloc[0]["repeats"] == 3 and amp.data.iloc[0]["last_step"] == 5
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_healthy_training_has_no_warnings(run_dir: Path, opt: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    run = fit(model, run_dir, 200, lr=0.05 if opt == "sgd" else 1e-3, opt=opt)
+    found = run.findings()
+    assert found.empty, list(zip(found.kind, found.step, found.layer, found.message))
+    assert run.verdict["worst"] is None
+
+
+def test_flight_recorder_keeps_the_lead_up_at_full_resolution(run_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+        if step == 57:
+            x[0, 0] = float("nan")
+        return x, x[:, :1]
+
+    run = fit(model, run_dir, 60, batch=batch, log_every=20, flight_recorder=8)
+    logged = set(run.metrics("grad_norm", include_global=False).step)
+    assert logged == {0, 20, 40, *range(49, 58)}, sorted(logged)
+    assert first(run, "nonfinite") == (57, None)
