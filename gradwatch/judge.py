@@ -125,9 +125,8 @@ class Judge:
             return
         where = f" [bold]{escape(f.layer)}[/bold]" if f.layer else ""
         action = f" -> {f.action}" if f.action and f.action != "warn" else ""
-        self._console.print(
-            f"[{_STYLE[f.severity]}]gradwatch {f.severity}[/] step {f.step} {f.kind}{where}: {escape(f.message)}{action}"
-        )
+        head = f"[{_STYLE[f.severity]}]gradwatch {f.severity}[/] step {f.step} {f.kind}{where}"
+        self._console.print(f"{head}: {escape(f.message)}{action}")
 
     def summary(self) -> dict[str, Any]:
         """Counts of findings by severity and the worst severity seen."""

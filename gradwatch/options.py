@@ -91,13 +91,15 @@ class Options:
                 )
         for name in ("queue_size", "cooldown", "snapshot_every", "snapshot_keep"):
             _positive_int(name, getattr(self, name))
-        if isinstance(self.flight_recorder, bool) or not isinstance(self.flight_recorder, int) or self.flight_recorder < 0:
+        recorder = self.flight_recorder
+        if isinstance(recorder, bool) or not isinstance(recorder, int) or recorder < 0:
             raise ConfigError(f"option flight_recorder must be a non-negative integer, got {self.flight_recorder!r}")
         if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, (str, os.PathLike)):
             raise ConfigError(f"option snapshot_dir must be a directory path, got {self.snapshot_dir!r}")
         if self.detectors is not None:
             if not isinstance(self.detectors, Mapping):
-                raise ConfigError(f"option detectors must be a mapping {{kind: {{setting: value}}}}, got {self.detectors!r}")
+                raise ConfigError(
+                    f"option detectors must be a mapping {{kind: {{setting: value}}}}, got {self.detectors!r}")
             from gradwatch.detectors import build
 
             build(self.detectors)

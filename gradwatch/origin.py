@@ -120,7 +120,7 @@ class Tracker:
             buffers = [(b, b.detach().clone()) for b in model.buffers()]
         inplace = [m for m in model.modules() if getattr(m, "inplace", None) is True]
         for m in inplace:
-            m.inplace = False  # full backward hooks refuse in-place outputs
+            setattr(m, "inplace", False)  # noqa: B010 - full backward hooks refuse in-place outputs
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # PyTorch's notes about backward hooks on input-less modules
@@ -133,7 +133,7 @@ class Tracker:
             return {"how": "attributed", "note": f"the step could not be replayed ({type(exc).__name__}: {exc})"}
         finally:
             for m in inplace:
-                m.inplace = True
+                setattr(m, "inplace", True)  # noqa: B010
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
@@ -155,7 +155,8 @@ class Tracker:
         def origin(phase: str, module: nn.Module | None, **extra: Any) -> dict[str, Any]:
             if module is None:
                 return {"phase": phase, "layer": None, "how": "replayed", **extra}
-            return {"phase": phase, "layer": names[id(module)], "type": type(module).__name__, "how": "replayed", **extra}
+            name, kind = names[id(module)], type(module).__name__
+            return {"phase": phase, "layer": name, "type": kind, "how": "replayed", **extra}
 
         if not finite(cap.args, cap.kwargs):
             return origin("forward", None, source="input")

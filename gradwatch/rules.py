@@ -101,11 +101,13 @@ def _validate(table: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: a rule must be a table with 'when' and 'do', got {table!r}")
     for key in ("when", "do"):
         if key not in table:
-            raise ConfigError(f"{where}: missing field {key!r}; a rule needs 'when' (a finding kind) and 'do' (an action)")
+            raise ConfigError(
+                f"{where}: missing field {key!r}; a rule needs 'when' (a finding kind) and 'do' (an action)")
     out: dict[str, Any] = {}
     when, do = table["when"], table["do"]
     if not isinstance(when, str) or when not in (*KINDS, "*"):
-        raise ConfigError(f"{where}: field 'when': unknown finding kind {when!r}; valid kinds are: {_choices(KINDS)}, *")
+        raise ConfigError(
+            f"{where}: field 'when': unknown finding kind {when!r}; valid kinds are: {_choices(KINDS)}, *")
     if not isinstance(do, str) or do not in ACTIONS:
         raise ConfigError(f"{where}: field 'do': unknown action {do!r}; valid actions are: {_choices(ACTIONS)}")
     out["when"], out["do"] = when, do
@@ -115,10 +117,12 @@ def _validate(table: Mapping[str, Any], where: str) -> dict[str, Any]:
             continue
         if key == "severity":
             if not isinstance(value, str) or value not in SEVERITIES:
-                raise ConfigError(f"{where}: field 'severity': {value!r} is not a severity; valid severities are: {_choices(SEVERITIES)}")
+                raise ConfigError(f"{where}: field 'severity': {value!r} is not a severity; "
+                                  f"valid severities are: {_choices(SEVERITIES)}")
         elif key == "layer":
             if not isinstance(value, str) or not value:
-                raise ConfigError(f"{where}: field 'layer' must be a non-empty glob string such as 'encoder.*', got {value!r}")
+                raise ConfigError(
+                    f"{where}: field 'layer' must be a non-empty glob string such as 'encoder.*', got {value!r}")
         elif key in ("above", "below"):
             value = _number(where, key, value, float)
         elif key in params:

@@ -48,7 +48,7 @@ def _nbytes(obj: Any) -> int:
 
 def rng_state() -> dict[str, Any]:
     """The RNG state of torch (CPU and every CUDA device), numpy and Python's random."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],

@@ -116,7 +116,7 @@ def test_healthy_model_zoo_is_quiet(name: str, run_dir: Path) -> None:
         opt.step()
         if sched is not None:
             sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     gw.unwatch(model)
     assert sum(losses[-20:]) < 0.9 * sum(losses[:20]), "the model learns"
     found = gw.open_run(run_dir).findings()

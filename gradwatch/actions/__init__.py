@@ -48,7 +48,9 @@ class Action:
 def _registry() -> dict[str, Action]:
     from gradwatch.actions import clip, halt, rollback, scale_lr, skip, warn
 
-    actions: list[Action] = [warn.Warn(), clip.Clip(), skip.Skip(), rollback.Rollback(), scale_lr.ScaleLr(), halt.Halt()]
+    actions: list[Action] = [
+        warn.Warn(), clip.Clip(), skip.Skip(), rollback.Rollback(), scale_lr.ScaleLr(), halt.Halt(),
+    ]
     return {a.name: a for a in actions}
 
 

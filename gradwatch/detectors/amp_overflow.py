@@ -40,9 +40,11 @@ class AmpOverflow(Detector):
         n = self._run
         severity = "error" if n >= self.error_after else "warning" if n >= self.warn_after else "info"
         if n == 1:
-            message = f"step {record.step} was skipped: its gradients were dropped without an optimizer step (GradScaler overflow)."
+            message = (f"step {record.step} was skipped: its gradients were dropped without an optimizer step "
+                       "(GradScaler overflow).")
         else:
-            message = f"{n} steps in a row skipped for gradient overflow up to step {record.step}: training is not progressing."
+            message = (f"{n} steps in a row skipped for gradient overflow up to step {record.step}: "
+                       "training is not progressing.")
         if severity != "info" and n not in (self.warn_after, self.error_after):
             return []
         return [self.finding(record, severity, None, message, value=float(n), data={"consecutive": n, "hint": HINT})]

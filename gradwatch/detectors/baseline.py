@@ -25,16 +25,16 @@ class Ema:
     def update(self, x: np.ndarray | float, mask: np.ndarray | bool = True) -> None:
         """Fold ``x`` into the baseline where ``mask`` (and ``x`` is finite)."""
         x = np.asarray(x, dtype=np.float64)
-        mask = np.asarray(mask, dtype=bool) & np.isfinite(x)
-        if not mask.any():
+        keep: np.ndarray = np.asarray(mask, dtype=bool) & np.isfinite(x)
+        if not keep.any():
             return
-        first = mask & (self.count == 0)
-        rest = mask & ~first
+        first = keep & (self.count == 0)
+        rest = keep & ~first
         diff = np.where(rest, x - self.mean, 0.0)
         b = self.beta
         self.mean = np.where(first, x, np.where(rest, self.mean + (1 - b) * diff, self.mean))
         self.var = np.where(rest, b * (self.var + (1 - b) * diff**2), self.var)
-        self.count = self.count + mask
+        self.count = self.count + keep
 
     def std(self, floor: float = 0.0) -> np.ndarray:
         """The spread, at least ``floor``."""

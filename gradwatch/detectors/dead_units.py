@@ -48,10 +48,12 @@ class DeadUnits(Detector):
             self._runs[key] = self._runs.get(key, 0) + 1 if hit else 0
             if self._runs[key] == self.patience:
                 name = layout.layers[i]
-                out.append(self.finding(record, "warning", name, self.describe(name, layout.layer_types[i], float(values[i])),
-                                        value=float(values[i]), data={"hint": self.hint}))
+                message = self.describe(name, layout.layer_types[i], float(values[i]))
+                out.append(self.finding(record, "warning", name, message, value=float(values[i]),
+                                        data={"hint": self.hint}))
         return out
 
     def describe(self, name: str, type_: str, value: float) -> str:
         """The finding's message."""
-        return f"{value:.1%} of the outputs of {name} ({type_}) are exactly zero on {self.patience} sampled steps in a row: its units are dead."
+        return (f"{value:.1%} of the outputs of {name} ({type_}) are exactly zero on {self.patience} sampled "
+                "steps in a row: its units are dead.")

@@ -58,6 +58,7 @@ class LossSpike(Detector):
             ema.update(loss)
         if self._run != 1:
             return []
-        message = f"loss {loss:.4g} at step {record.step} is {(loss - mean) / max(std, 1e-12):.3g} std above its recent mean {mean:.4g}."
+        zscore = (loss - mean) / max(std, 1e-12)
+        message = f"loss {loss:.4g} at step {record.step} is {zscore:.3g} std above its recent mean {mean:.4g}."
         return [self.finding(record, "warning", None, message, value=loss,
                              data={"loss": loss, "mean": mean, "std": std, "hint": HINT})]

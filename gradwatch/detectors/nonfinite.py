@@ -47,7 +47,9 @@ class NonFinite(Detector):
         origin = dict(record.origin or self._attribute(record, bad_act))
         layers = record.layout.layers
         grad_counts = record.vector("grad_nonfinite")
-        bad_layers = [layers[i] for i in np.flatnonzero(np.nan_to_num(grad_counts) > 0)] if grad_counts is not None else []
+        bad_layers = []
+        if grad_counts is not None:
+            bad_layers = [layers[i] for i in np.flatnonzero(np.nan_to_num(grad_counts) > 0)]
         what = []
         if bad_loss:
             what.append(f"the loss is {loss}")

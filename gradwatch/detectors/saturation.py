@@ -31,4 +31,5 @@ class Saturation(DeadUnits):
 
     def describe(self, name: str, type_: str, value: float) -> str:
         """The finding's message."""
-        return f"{value:.1%} of the outputs of {name} ({type_}) are saturated at its bounds on {self.patience} sampled steps in a row: its gradients vanish."
+        return (f"{value:.1%} of the outputs of {name} ({type_}) are saturated at its bounds on {self.patience} "
+                "sampled steps in a row: its gradients vanish.")

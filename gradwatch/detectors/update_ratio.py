@@ -55,9 +55,10 @@ class UpdateRatio(Detector):
             self._low[key] = self._low.get(key, 0) + 1 if low else 0
             name, type_ = layout.layers[i], layout.layer_types[i]
             if self._high[key] == self.patience:
-                message = f"update of {name} ({type_}) is {r:.3g}x its weights' norm at step {record.step}: far too large."
+                message = f"update of {name} ({type_}) is {r:.3g}x its weights' norm at step {record.step}: too large."
                 out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_HIGH}))
             if self._low[key] == self.patience_low:
-                message = f"update of {name} ({type_}) is only {r:.3g}x its weights' norm at step {record.step}: it does not learn."
+                message = (f"update of {name} ({type_}) is only {r:.3g}x its weights' norm at step {record.step}: "
+                           "it does not learn.")
                 out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_LOW}))
         return out
