@@ -12,14 +12,20 @@ Each workload is trained in these variants, every one on its own model copy buil
 seed and fed the same batches:
 
 - ``bare``: the plain loop;
-- ``gradwatch``: ``gw.watch(model, ...)`` at default settings, the loop also calls
-  ``gw.watcher(model).observe(loss=loss)``;
-- ``gradwatch_all``: the same with ``sample_every=1`` (every statistic on every step);
+- ``gradwatch``: the product default -- ``gw.watch(model, rules="default")`` with every detector
+  and non-finite origin tracking on; the loop also calls ``gw.watcher(model).observe(loss=loss)``;
+- ``gradwatch_no_origin``: the same with ``origin=False``;
+- ``gradwatch_record_only``: the same with ``rules=None`` (detect and record only, no actions);
+- ``gradwatch_all``: the default with ``sample_every=1`` (every statistic on every step);
 - ``naive``: reference, a tensor hook per parameter and a forward hook per leaf module, each
   reading a norm to the host with ``.item()``;
-- ``anomaly``: reference, the loop under ``torch.autograd.set_detect_anomaly(True)``;
+- ``anomaly``: reference, the bare model with each block of steps under
+  ``torch.autograd.set_detect_anomaly(True)``;
 - ``foreach``: reference, one ``torch._foreach_norm`` over all gradients per step, read with one
   ``torch.stack(...).cpu()``.
+
+Every gradwatch variant runs with ``console=False`` and writes its run into a temporary directory
+(deleted at exit). ``--variants`` picks a subset (``bare`` is always measured: it is the baseline).
 
 Measurement is interleaved: after warm-up, each round runs a block of K steps of every variant in
 turn (the order rotates every round) and times each block with ``time.perf_counter``. Reported are
@@ -28,6 +34,18 @@ of its block time to the bare block of the same round. gradwatch stays attached 
 each of its blocks ends with ``watcher.flush()`` inside the timed region, so that the work of its
 writer thread is charged to gradwatch and does not spill into the next variant's block.
 
+After a workload's rounds every run is closed and read back with ``gw.open_run(path)``: the run
+must be closed as ``finished`` and, the training being healthy, hold no finding of warning or
+error severity; a line starting with ``WARNING`` lists any that did appear.
+
+At the end, per workload, the added cost of origin tracking, ``ratio(gradwatch) -
+ratio(gradwatch_no_origin)``, is set against the added cost of anomaly mode, ``ratio(anomaly) -
+1``, and their quotient printed ("origin tracking is N x cheaper than anomaly mode"). Noise is the
+distribution-free confidence interval (95%, or [min, max] when there are too few rounds for that)
+of the median of the per-round differences of the two ratios: when the added cost is <= 0 or that
+interval reaches 0, it is printed as "within noise (<= x%)", x being the interval's upper end (at
+least its half-width), and the quotient is taken against x -- a lower bound, said as "at least".
+
 ``--rss-steps N`` first trains the gpt workload for N steps with gradwatch at default settings and
 samples the process RSS every 100 steps, to show that memory is flat after warm-up. For every
 gradwatch run the size of its run store (SQLite file plus TensorBoard event files) per 1,000
@@ -35,8 +53,9 @@ recorded steps is reported too.
 
 Run it with::
 
-    python benchmarks/overhead.py                                  # all workloads, ~5-10 minutes
+    python benchmarks/overhead.py                                  # all workloads, ~10-15 minutes
     python benchmarks/overhead.py --workloads mlp,cnn --rounds 3   # a quick check
+    python benchmarks/overhead.py --variants gradwatch,gradwatch_no_origin,anomaly --json out.json
     python benchmarks/overhead.py --workloads gpt --rounds 1 --rss-steps 2000 --json out.json
 """
 
@@ -45,6 +64,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -70,7 +90,12 @@ POOL = 8
 WARMUP = 20
 #: warm-up steps of the gradwatch variants: three sampling periods, so sampled steps have run
 WARMUP_WATCHED = 30
-VARIANTS = ("bare", "gradwatch", "gradwatch_all", "naive", "anomaly", "foreach")
+VARIANTS = ("bare", "gradwatch", "gradwatch_no_origin", "gradwatch_record_only", "gradwatch_all", "naive", "anomaly",
+            "foreach")
+#: finding severities that a healthy benchmark run must not produce
+BAD_SEVERITIES = ("warning", "error")
+#: coverage sought for the interval of a median over rounds
+COVERAGE = 0.95
 RSS_EVERY = 100
 MIB = 2**20
 
@@ -233,7 +258,8 @@ def make_loop(workload: Workload, batches: list[Batch]) -> Loop:
 
 # ---------------------------------------------------------------- variants
 def with_gradwatch(loop: Loop, run_dir: Path, **options: Any) -> None:
-    gw.watch(loop.model, run=run_dir, overwrite=True, **options)
+    """Watch the loop's model into ``run_dir``: default rules and options unless ``options`` say otherwise."""
+    gw.watch(loop.model, run=run_dir, overwrite=True, **{"rules": "default", "console": False, **options})
     loop.on_loss = lambda loss: gw.watcher(loop.model).observe(loss=loss)
     loop.after_block = lambda: gw.watcher(loop.model).flush()
     loop.close = lambda: gw.unwatch(loop.model)
@@ -275,6 +301,8 @@ def with_foreach(loop: Loop, run_dir: Path) -> None:
 SETUP: dict[str, Callable[[Loop, Path], None]] = {
     "bare": _nothing,
     "gradwatch": with_gradwatch,
+    "gradwatch_no_origin": lambda loop, run_dir: with_gradwatch(loop, run_dir, origin=False),
+    "gradwatch_record_only": lambda loop, run_dir: with_gradwatch(loop, run_dir, rules=None),
     "gradwatch_all": lambda loop, run_dir: with_gradwatch(loop, run_dir, sample_every=1),
     "naive": with_naive,
     "anomaly": with_anomaly,
@@ -293,6 +321,7 @@ class Result:
     blocks: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     store: dict[str, float] | None = None
+    health: dict[str, Any] | None = None
 
     @property
     def ms_per_step(self) -> float:
@@ -305,7 +334,7 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         return {"workload": self.workload, "variant": self.variant, "steps_per_block": self.steps,
                 "ms_per_step": self.ms_per_step, "ratio_vs_bare": self.ratio,
-                "block_seconds": self.blocks, "ratios": self.ratios, "store": self.store}
+                "block_seconds": self.blocks, "ratios": self.ratios, "store": self.store, "health": self.health}
 
 
 def store_size(loop: Loop) -> dict[str, float]:
@@ -321,6 +350,34 @@ def store_size(loop: Loop) -> dict[str, float]:
         steps = run.steps
     return {"bytes": size, "event_bytes": events, "steps": steps, "trained": loop.done,
             "bytes_per_1000_steps": size / steps * 1000 if steps else float("nan")}
+
+
+def run_health(loop: Loop, label: str, console: Console) -> dict[str, Any]:
+    """Read a closed run back: its status and its findings, which healthy training must not have.
+
+    Prints a line starting with WARNING if the run was not closed as finished, and one listing
+    the findings of warning or error severity if there are any.
+    """
+    assert loop.run_dir is not None
+    with gw.open_run(loop.run_dir) as run:
+        status = run.status
+        findings = run.findings()
+    counts = {str(k): int(v) for k, v in findings["severity"].value_counts().items()}
+    bad = findings[findings["severity"].isin(BAD_SEVERITIES)]
+    problems = [{"step": int(f.step), "kind": f.kind, "severity": f.severity, "layer": f.layer,
+                 "message": f.message, "action": f.action, "repeats": f.data.get("repeats", 1)}
+                for f in bad.itertuples(index=False)]
+    if status != "finished":
+        console.print(f"[red]WARNING[/red] {label}: run {loop.run_dir} was left {status!r}, not 'finished'")
+    if problems:
+        console.print(f"[red]WARNING[/red] {label}: {len(problems)} finding(s) of warning/error severity "
+                      "in healthy benchmark training (there must be none):", highlight=False)
+        for f in problems:
+            repeats = f" (x{f['repeats']})" if f["repeats"] != 1 else ""
+            console.print(f"    step {f['step']} {f['severity']} {f['kind']} {f['layer'] or '<global>'}: "
+                          f"{f['message']}{repeats}" + (f" [action: {f['action']}]" if f["action"] else ""),
+                          highlight=False, markup=False)
+    return {"status": status, "findings": counts, "problems": problems}
 
 
 @contextlib.contextmanager
@@ -352,9 +409,10 @@ def measure(name: str, workload: Workload, variants: list[str], rounds: int, ste
                 results[v].ratios.append(times[v] / times["bare"])
             console.log(f"{name} round {r + 1}/{rounds}: "
                         + ", ".join(f"{v} {1000 * times[v] / steps:.1f}" for v in variants) + " ms/step")
-    for variant, loop in loops.items():
+    for variant, loop in loops.items():  # closed now
         if loop.run_dir is not None:
             results[variant].store = store_size(loop)
+            results[variant].health = run_health(loop, f"{name} {variant}", console)
     return list(results.values())
 
 
@@ -383,6 +441,7 @@ def rss_run(steps: int, root: Path, console: Console) -> dict[str, Any]:
         "rss_peak": max(rss.values()),
         "growth_after_warmup": rss[steps] - after_warmup,
         "store": store_size(loop),
+        "health": run_health(loop, "gpt gradwatch (RSS run)", console),
     }
 
 
@@ -405,6 +464,79 @@ def targets(results: list[Result]) -> list[dict[str, Any]]:
             out.append({"workload": name, "target": "ratio < naive", "value": r.ratio, "naive": naive.ratio,
                         "pass": r.ratio < naive.ratio})
     return out
+
+
+def median_interval(values: list[float]) -> tuple[float, float, float]:
+    """A distribution-free confidence interval of the median: (low, high, coverage).
+
+    The order statistics ``x[k]`` and ``x[n-1-k]`` with the largest ``k`` whose coverage
+    ``1 - 2 P(Binomial(n, 1/2) <= k)`` is at least COVERAGE; [min, max] (with its lower coverage)
+    when there are too few values for that.
+    """
+    xs, n = sorted(values), len(values)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+
+    k = 0
+    while 2 * (k + 1) <= n - 1 and coverage(k + 1) >= COVERAGE:
+        k += 1
+    return xs[k], xs[n - 1 - k], coverage(k)
+
+
+def origin_vs_anomaly(results: list[Result]) -> list[dict[str, Any]]:
+    """Per workload: the added costs of origin tracking and of anomaly mode, and their quotient.
+
+    Costs are fractions of bare training's step time. The origin cost is ``ratio(gradwatch) -
+    ratio(gradwatch_no_origin)``; its noise comes from the per-round differences of the two
+    ratios (see :func:`median_interval`). When the cost is <= 0 or the interval reaches 0, it is
+    within noise: the bound is the interval's upper end (at least its half-width), and the
+    quotient is taken against that bound, making it a lower bound.
+    """
+    by_key = {(r.workload, r.variant): r for r in results}
+    out = []
+    for name in dict.fromkeys(r.workload for r in results):
+        watched, plain, anomaly = (by_key.get((name, v)) for v in ("gradwatch", "gradwatch_no_origin", "anomaly"))
+        if watched is None or plain is None or anomaly is None:
+            continue
+        cost = watched.ratio - plain.ratio
+        low, high, coverage = median_interval([a - b for a, b in zip(watched.ratios, plain.ratios, strict=True)])
+        within_noise = cost <= 0 or low <= 0
+        bound = max(high, cost, (high - low) / 2) if within_noise else cost
+        anomaly_cost = anomaly.ratio - 1
+        quotient = anomaly_cost / bound if bound > 0 and anomaly_cost > 0 else None
+        out.append({"workload": name, "rounds": len(watched.ratios),
+                    "origin_cost": cost, "origin_interval": [low, high], "interval_coverage": coverage,
+                    "origin_within_noise": within_noise, "origin_bound": bound,
+                    "anomaly_cost": anomaly_cost, "quotient": quotient,
+                    "quotient_against": "noise bound" if within_noise else "measured cost"})
+    return out
+
+
+def summary_lines(summary: list[dict[str, Any]]) -> list[str]:
+    """The origin-vs-anomaly summary in words, one line per workload and a note on the noise."""
+    lines = []
+    for s in summary:
+        low, high = s["origin_interval"]
+        if s["origin_within_noise"]:
+            origin = f"within noise (<= {s['origin_bound']:.1%}; measured {s['origin_cost']:+.1%})"
+        else:
+            origin = f"{s['origin_cost']:+.1%}"
+        quotient = s["quotient"]
+        if quotient is None:
+            verdict = "no quotient (no positive bound or anomaly cost; run more rounds)"
+        else:
+            times = f"{quotient:.1f}x" if quotient < 10 else f"{quotient:.0f}x"
+            verdict = (f"origin tracking is at least {times} cheaper than anomaly mode (against the noise bound)"
+                       if s["origin_within_noise"] else f"origin tracking is {times} cheaper than anomaly mode")
+        lines.append(f"{s['workload']}: origin tracking {origin} [per-round differences: {low:+.1%} .. {high:+.1%}, "
+                     f"{s['rounds']} rounds, {s['interval_coverage']:.0%} interval of the median]; "
+                     f"anomaly mode {s['anomaly_cost']:+.1%}; {verdict}")
+    if summary:
+        lines.append("Added cost per step as a fraction of bare training: origin tracking = ratio(gradwatch) - "
+                     "ratio(gradwatch_no_origin), anomaly mode = ratio(anomaly) - 1. The interval is "
+                     "distribution-free, of the median of the per-round differences of the two ratios.")
+    return lines
 
 
 def results_table(results: list[Result], checks: list[dict[str, Any]]) -> Table:
@@ -452,6 +584,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="gpt,mlp,cnn",
                         help="comma-separated subset of: " + ", ".join(WORKLOADS) + " (default: all)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of: " + ", ".join(VARIANTS)
+                        + " (default: all; bare is always measured, it is the baseline)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per workload (default: 5 gpt, 11 mlp, 9 cnn)")
     parser.add_argument("--steps", type=int, help="steps per block (default: 10 gpt, 50 mlp, 20 cnn)")
     parser.add_argument("--rss-steps", type=int, default=0,
@@ -463,6 +598,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    chosen = {v.strip() for v in args.variants.split(",") if v.strip()}
+    unknown = sorted(chosen - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    args.variants = [v for v in VARIANTS if v in chosen or v == "bare"]
     for name in ("rounds", "steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -475,14 +615,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     console = Console() if sys.stdout.isatty() else Console(width=120)
-    report: dict[str, Any] = {"torch": torch.__version__, "gradwatch": gw.__version__, "threads": args.threads}
+    report: dict[str, Any] = {"torch": torch.__version__, "gradwatch": gw.__version__, "threads": args.threads,
+                              "variants": args.variants}
     with tempfile.TemporaryDirectory(prefix="gradwatch-overhead-") as tmp:
         root = Path(tmp)
         rss = rss_run(args.rss_steps, root, console) if args.rss_steps else None
         results: list[Result] = []
         for name in args.workloads:
             workload = WORKLOADS[name]
-            results += measure(name, workload, list(VARIANTS), args.rounds or workload.rounds,
+            results += measure(name, workload, args.variants, args.rounds or workload.rounds,
                                args.steps or workload.steps, root, console)
     checks = targets(results)
     console.print(results_table(results, checks))
@@ -491,9 +632,28 @@ def main(argv: list[str] | None = None) -> None:
         stores.append((f"gpt gradwatch, {rss['steps']}-step RSS run", rss["store"]))
         console.print(rss_table(rss))
         console.print(rss_summary(rss))
-    console.print(store_table(stores))
+    if stores:
+        console.print(store_table(stores))
+    healths = [(f"{r.workload} {r.variant}", r.health) for r in results if r.health is not None]
+    if rss is not None:
+        healths.append(("gpt gradwatch (RSS run)", rss["health"]))
+    unhealthy = [label for label, h in healths if h["problems"] or h["status"] != "finished"]
+    if unhealthy:
+        console.print(f"[red]WARNING[/red] healthy-run check failed for: {', '.join(unhealthy)} (listed above)")
+    elif healths:
+        console.print(f"Healthy-run check: all {len(healths)} gradwatch runs closed as finished, "
+                      "with no finding of warning or error severity.")
+    summary = origin_vs_anomaly(results)
+    if summary:
+        console.print("\n[bold]Origin tracking vs anomaly mode[/bold]")
+        for line in summary_lines(summary):
+            console.print(line, highlight=False, markup=False)
+    elif not {"gradwatch", "gradwatch_no_origin", "anomaly"} <= set(args.variants):
+        console.print("(origin-vs-anomaly summary skipped: it needs the variants gradwatch, gradwatch_no_origin "
+                      "and anomaly)")
     if args.json is not None:
-        report.update(results=[r.to_dict() for r in results], targets=checks, rss=rss)
+        report.update(results=[r.to_dict() for r in results], targets=checks, rss=rss,
+                      origin_vs_anomaly=summary, unhealthy_runs=unhealthy)
         args.json.write_text(json.dumps(report, indent=2))
         console.print(f"wrote {args.json}")
 
