@@ -518,7 +518,9 @@ def summary_lines(summary: list[dict[str, Any]]) -> list[str]:
     lines = []
     for s in summary:
         low, high = s["origin_interval"]
-        if s["origin_within_noise"]:
+        if s["rounds"] < 2:
+            origin = f"{s['origin_cost']:+.1%} (one round: noise unknown)"
+        elif s["origin_within_noise"]:
             origin = f"within noise (<= {s['origin_bound']:.1%}; measured {s['origin_cost']:+.1%})"
         else:
             origin = f"{s['origin_cost']:+.1%}"

@@ -101,13 +101,12 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
 
 def _options(config: Config, explicit: dict[str, Any]) -> Options:
     """Options from the config file, overridden by the keyword arguments given to watch."""
-    try:
-        return Options.from_kwargs(**{**config.options, **explicit})
-    except ConfigError as exc:
-        bad = next((k for k in config.options if f"{k!r}" in str(exc) or f" {k} " in str(exc)), None)
-        if bad is not None and bad not in explicit:
+    if config.options:
+        try:
+            Options.from_kwargs(**config.options)  # the file's own settings first: errors name the file
+        except ConfigError as exc:
             raise ConfigError(f"{config.source}: {exc}") from None
-        raise
+    return Options.from_kwargs(**{**config.options, **explicit})
 
 
 def _watch_class(cls: type[nn.Module], run: str | Path | None, rules: Any, explicit: dict[str, Any]) -> type[nn.Module]:
