@@ -54,18 +54,6 @@ class Finding:
     data: dict[str, Any] = field(default_factory=dict)
     id: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """The finding as plain data, as ``gradwatch check --format json`` prints it."""
-        return {
-            "kind": self.kind,
-            "severity": self.severity,
-            "step": self.step,
-            "layer": self.layer,
-            "phase": self.phase,
-            "message": self.message,
-            "action": self.action,
-        }
-
 
 class Cooldown:
     """Folds repeats: a (kind, layer, severity) is written at most once per ``steps`` steps.

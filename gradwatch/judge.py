@@ -45,7 +45,6 @@ class Judge:
         self._deferred: list[Finding] = []
         self.counts: dict[str, int] = {"info": 0, "warning": 0, "error": 0}
         self.worst: str | None = None
-        self.acting = config.rules is not None and any(r.do != "warn" for r in config.rules)
         self.rolls_back = config.rules is not None and any(r.do == "rollback" for r in config.rules)
 
     # ---------------------------------------------------------------- checks

@@ -141,7 +141,7 @@ def test_rollback_restores_the_last_snapshot_and_training_converges(run_dir: Pat
             assert_same(s20_opt["state"], after["opt"]["state"])
             assert after["opt"]["param_groups"][0]["lr"] == pytest.approx(s20_opt["param_groups"][0]["lr"] * 0.5)
             assert sched.last_epoch == taken["s20"]["sched"]["last_epoch"]
-            assert torch.equal(torch.get_rng_state(), taken["s20"]["rng"]) is False or True  # restored, then used
+            assert torch.equal(torch.get_rng_state(), taken["s20"]["rng"]), "the RNG state is restored"
         sched.step()
         losses.append(float(loss))
         step += 1
