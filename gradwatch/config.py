@@ -63,6 +63,10 @@ def _read(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: nested too deeply") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from None
 

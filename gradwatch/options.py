@@ -66,7 +66,7 @@ class Options:
         return self.log_every * max(1, math.ceil(DEFAULT_SAMPLE_PERIOD / self.log_every))
 
     @classmethod
-    def from_kwargs(cls, log_every: Any = 1, **kwargs: Any) -> Options:
+    def from_kwargs(cls, /, log_every: Any = 1, **kwargs: Any) -> Options:
         """Validate user keyword arguments into Options, with one clear error per problem."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
@@ -106,8 +106,9 @@ class Options:
         for name in ("activations", "tensorboard", "overwrite", "origin", "console"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"option {name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.flush_seconds, (int, float)) or not self.flush_seconds > 0:
-            raise ConfigError(f"option flush_seconds must be a positive number, got {self.flush_seconds!r}")
+        if (not isinstance(self.flush_seconds, (int, float)) or isinstance(self.flush_seconds, bool)
+                or not 0 < self.flush_seconds < math.inf):
+            raise ConfigError(f"option flush_seconds must be a finite positive number, got {self.flush_seconds!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The options as plain data, as stored in the run's metadata."""

@@ -144,7 +144,10 @@ def _number(where: str, key: str, value: Any, kind: type) -> Any:
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
     elif ok:
-        ok = math.isfinite(value)
+        try:
+            ok = math.isfinite(value)
+        except OverflowError:  # an integer too large for a float
+            ok = False
     if not ok:
         expected = "a non-negative integer" if kind is int else "a finite number"
         raise ConfigError(f"{where}: field {key!r} must be {expected}, got {value!r}")

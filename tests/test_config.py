@@ -165,7 +165,15 @@ def test_pyproject_is_discovered_from_a_subfolder(tmp_path: Path, monkeypatch: p
     ("[detectors.vanish]\npatience = 3", "unknown detector 'vanish'; valid detectors are: nonfinite"),
     ("[detectors.vanishing]\npatience = -1", "setting 'patience' must be a non-negative int"),
     ('rules = "lots"', "'rules' must be a list of rule tables"),
-])
+    # values that once escaped validation as other exceptions, or were silently accepted
+    ('[[rules]]\nwhen = "exploding"\ndo = "warn"\nabove = ' + "9" * 400, "field 'above' must be a finite number"),
+    ("[detectors.exploding]\nz = " + "9" * 400, "setting 'z' must be a non-negative float"),
+    ("[detectors]\nvanishing = 0", "detectors.vanishing must be a table of settings"),
+    ("[detectors]\nvanishing = false", "detectors.vanishing must be a table of settings"),
+    ("[detectors]\nvanishing = []", "detectors.vanishing must be a table of settings"),
+    ("flush_seconds = inf", "flush_seconds must be a finite positive number"),
+    ("x = " + "[" * 5000 + "]" * 5000, "invalid TOML"),
+], ids=lambda value: value[:40])
 def test_config_errors_name_the_file_and_field(tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "gradwatch.toml"
     path.write_text(text)
@@ -173,6 +181,22 @@ def test_config_errors_name_the_file_and_field(tmp_path: Path, text: str, expect
         gw.watch(model(), run=tmp_path / "run", rules=str(path), console=False)
     assert str(path) in str(info.value) and expected in str(info.value)
     assert not (tmp_path / "run").exists(), "nothing is written before the config is valid"
+
+
+def test_a_binary_config_file_is_invalid_toml(tmp_path: Path) -> None:
+    path = tmp_path / "gradwatch.toml"
+    path.write_bytes(b"log_every = 1\n# \xff\xfe\n")
+    with pytest.raises(gw.ConfigError, match="invalid TOML: not UTF-8"):
+        gw.watch(model(), run=tmp_path / "run", rules=str(path))
+
+
+def test_options_with_awkward_names_or_values(tmp_path: Path) -> None:
+    with pytest.raises(gw.ConfigError, match="unknown option 'cls'"):
+        gw.watch(model(), run=tmp_path / "a", cls=1)
+    for bad in (float("inf"), float("nan"), True, 0):
+        with pytest.raises(gw.ConfigError, match="flush_seconds must be a finite positive number"):
+            gw.watch(model(), run=tmp_path / "a", flush_seconds=bad)
+    assert not (tmp_path / "a").exists()
 
 
 def test_other_rules_arguments(tmp_path: Path) -> None:

@@ -87,7 +87,8 @@ def build(config: Mapping[str, Mapping[str, Any]] | None = None, *, where: str =
             raise ConfigError(f"{where}: unknown detector {kind!r}; valid detectors are: {', '.join(REGISTRY)}")
     out = []
     for kind, cls in REGISTRY.items():
-        params = config.get(kind) or {}
+        params = config.get(kind)
+        params = {} if params is None else params
         if not isinstance(params, Mapping):
             raise ConfigError(f"{where}.{kind} must be a table of settings, got {params!r}")
         out.append(cls(**{name: check_type(f"{where}.{kind}", name, value, settings(kind))
@@ -106,7 +107,11 @@ def check_type(where: str, name: str, value: Any, defaults: Mapping[str, Any]) -
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
     elif isinstance(default, float):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= 0
-        value = float(value) if ok else value
+        if ok:
+            try:
+                value = float(value)
+            except OverflowError:  # an integer too large for a float
+                ok = False
     else:
         ok = True
     if not ok:
