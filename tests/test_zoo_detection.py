@@ -1,0 +1,97 @@
+"""The zoo through gradwatch with the default rules: every planted pathology is found at the right
+kind, layer and step (and nothing before it); every healthy case stays quiet.
+
+``tests/test_zoo.py`` proves each case's claim with plain PyTorch; this file checks that gradwatch
+reaches the same answer.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gradwatch as gw
+from gradwatch import detectors
+from gradwatch.options import DEFAULT_SAMPLE_PERIOD
+
+from .zoo import HEALTHY, PATHOLOGIES, Case, run
+
+# pathologies that unavoidably bring others along (see the zoo's docstring)
+COMPANIONS = {
+    "exploding_lr_jump": {"loss_spike"},
+    "exploding_large_init": {"loss_spike"},
+    "loss_spike_corrupt_batch": {"exploding"},
+    "dead_relu_bias": {"vanishing"},  # fc1 gets exactly-zero gradients
+    "vanishing_deep_sigmoid": {"update_ratio"},  # updates below 1e-8 of the weights
+}
+
+
+def first_report(kind: str, onset: int) -> int:
+    """The step at which a pathology present from ``onset`` is due, by the detector's patience."""
+    if onset > 0 or kind in ("nonfinite", "exploding", "loss_spike"):
+        return onset
+    patience = detectors.settings(kind)["patience"]
+    if kind in ("dead_units", "saturation", "update_ratio"):  # judged on sampled steps only
+        return (patience - 1) * DEFAULT_SAMPLE_PERIOD
+    return patience - 1
+
+
+def train(case: Case, path: Path) -> tuple[list[dict[str, Any]], list[float], set[str]]:
+    """Train a case watched with the default rules; its findings, losses and layer names."""
+    model, optimizer, scheduler = case.build()
+    watched = gw.watch(model, run=path, console=False)
+    watcher = gw.watcher(watched)
+    _, _, losses = run(case, model=model, optimizer=optimizer, scheduler=scheduler,
+                       observe=lambda loss: watcher.observe(loss=loss))
+    gw.unwatch(watched)
+    found = gw.open_run(path).findings()
+    records = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+               for row in found.to_dict("records")]
+    return records, losses, {name for name, _ in model.named_modules()}
+
+
+@pytest.mark.parametrize("case", HEALTHY, ids=[c.name for c in HEALTHY])
+def test_healthy_zoo_is_quiet(case: Case, tmp_path: Path) -> None:
+    found, losses, _ = train(case, tmp_path / "run")
+    loud = [f for f in found if f["severity"] in ("warning", "error")]
+    assert loud == [], f"{case.name}: {[(f['step'], f['kind'], f['layer'], f['message']) for f in loud]}"
+    assert all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.parametrize("case", PATHOLOGIES, ids=[c.name for c in PATHOLOGIES])
+def test_planted_pathology_is_found_at_its_layer_and_step(case: Case, tmp_path: Path) -> None:
+    assert case.kind is not None and case.onset is not None
+    found, losses, layers = train(case, tmp_path / "run")
+    kinds = {f["kind"] for f in found}
+    assert kinds <= {case.kind} | COMPANIONS.get(case.name, set()), f"unexpected findings: {found}"
+    mine = sorted((f for f in found if f["kind"] == case.kind), key=lambda f: f["step"])
+    assert mine, f"{case.name}: no {case.kind} finding in {found}"
+    first = mine[0]
+    seen: dict[tuple, int] = {}
+    for f in sorted(found, key=lambda f: f["step"]):
+        key = (f["kind"], f["layer"], f["severity"])
+        assert key not in seen or f["step"] - seen[key] >= 100, f"a repeat within the cooldown got a row: {f}"
+        seen[key] = f["step"]
+        assert f["action"] is not None, f"every finding says which action it led to: {f}"
+    due = first_report(case.kind, case.onset)
+    assert first["step"] == due, f"{case.name}: first {case.kind} at step {first['step']}, expected {due}"
+    assert all(f["step"] >= min(case.onset, due) for f in found), "nothing is reported before the onset"
+    assert first["severity"] in ("warning", "error")
+    if case.kind == "exploding":
+        # a global explosion still names the layer whose gradient jumped the most
+        assert first["layer"] in layers and first["layer"] != ""
+        assert first["action"] == "clip"
+    elif case.kind == "loss_spike":
+        assert first["layer"] is None
+    else:
+        assert first["layer"] == case.layer, first
+    if case.kind == "nonfinite":
+        assert first["phase"] == case.phase and first["action"] == "skip"
+        assert first["data"]["origin"] == "replayed"
+        assert len(mine) == 1, "after the skip the run stays finite"
+        assert all(math.isfinite(x) for x in losses[case.onset + 1:]), "the default rule kept training healthy"
+        if case.phase == "forward":
+            assert not math.isfinite(losses[case.onset])
