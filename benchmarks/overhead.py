@@ -16,6 +16,8 @@ seed and fed the same batches:
   and non-finite origin tracking on; the loop also calls ``gw.watcher(model).observe(loss=loss)``;
 - ``gradwatch_no_origin``: the same with ``origin=False``;
 - ``gradwatch_record_only``: the same with ``rules=None`` (detect and record only, no actions);
+- ``gradwatch_stats_only``: statistics only -- no detectors, no rules, no origin tracking (what
+  detection and acting add is ``gradwatch`` minus this);
 - ``gradwatch_all``: the default with ``sample_every=1`` (every statistic on every step);
 - ``naive``: reference, a tensor hook per parameter and a forward hook per leaf module, each
   reading a norm to the host with ``.item()``;
@@ -82,6 +84,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 import gradwatch as gw
+from gradwatch import detectors
 
 SEED = 0
 #: distinct batches per workload, generated once and cycled through by every variant
@@ -90,8 +93,8 @@ POOL = 8
 WARMUP = 20
 #: warm-up steps of the gradwatch variants: three sampling periods, so sampled steps have run
 WARMUP_WATCHED = 30
-VARIANTS = ("bare", "gradwatch", "gradwatch_no_origin", "gradwatch_record_only", "gradwatch_all", "naive", "anomaly",
-            "foreach")
+VARIANTS = ("bare", "gradwatch", "gradwatch_no_origin", "gradwatch_record_only", "gradwatch_stats_only",
+            "gradwatch_all", "naive", "anomaly", "foreach")
 #: finding severities that a healthy benchmark run must not produce
 BAD_SEVERITIES = ("warning", "error")
 #: coverage sought for the interval of a median over rounds
@@ -303,6 +306,8 @@ SETUP: dict[str, Callable[[Loop, Path], None]] = {
     "gradwatch": with_gradwatch,
     "gradwatch_no_origin": lambda loop, run_dir: with_gradwatch(loop, run_dir, origin=False),
     "gradwatch_record_only": lambda loop, run_dir: with_gradwatch(loop, run_dir, rules=None),
+    "gradwatch_stats_only": lambda loop, run_dir: with_gradwatch(
+        loop, run_dir, rules=None, origin=False, detectors={kind: {"enabled": False} for kind in detectors.REGISTRY}),
     "gradwatch_all": lambda loop, run_dir: with_gradwatch(loop, run_dir, sample_every=1),
     "naive": with_naive,
     "anomaly": with_anomaly,

@@ -58,6 +58,14 @@ class LoopControl:
         """A new step's gradients (already measured) are about to be applied."""
         self.step, self.grads, self.total, self.skipping = step, grads, total, False
 
+    def end(self) -> None:
+        """The step's actions are done: drop the references to its gradients.
+
+        Held any longer, last step's gradients would outlive ``zero_grad(set_to_none=True)``
+        and sit in memory beside the next backward's.
+        """
+        self.grads = []
+
     def track(self, obj: Any) -> None:
         """Also snapshot and restore this LR scheduler or GradScaler."""
         if not (_is_scheduler(obj) or _is_scaler(obj)):

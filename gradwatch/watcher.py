@@ -482,7 +482,10 @@ class Watcher:
         self.control.begin(record.step, launched.grads, record.scalars["grad_norm"])
         findings = self.judge.check(record)
         self._current = record
-        self.judge.step(record, findings, self.control)  # may raise TrainingHalted
+        try:
+            self.judge.step(record, findings, self.control)  # may raise TrainingHalted
+        finally:
+            self.control.end()
         self._current = None
         if self.control.skipping:
             record.skipped = True

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -245,3 +247,21 @@ def test_a_model_dropped_while_watched_closes_its_run(run_dir: Path) -> None:
     assert ref() is None and not registry._live
     run = gw.open_run(run_dir)
     assert run.status == "finished" and run.steps == 3
+
+
+@pytest.mark.parametrize("rules", ["default", None, [gw.Rule(when="*", do="clip", max_norm=1e-3)]])
+def test_a_finished_steps_gradients_are_freed_by_zero_grad(run_dir: Path, rules: object) -> None:
+    """Nothing in gradwatch keeps last step's gradients alive beside the next backward's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    gw.watch(model, run=run_dir, rules=rules, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for step in range(12):  # sampled and unsampled steps
+        nn.functional.mse_loss(model(x), y).backward()
+        refs = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        assert all(ref() is None for ref in refs), f"step {step}: a gradient outlived zero_grad"
+    gw.unwatch(model)

@@ -48,15 +48,24 @@ class Exploding(Detector):
     _global: Window = field(init=False, repr=False)
     _layers: Window = field(init=False, repr=False)
     _version: int = field(default=-1, init=False, repr=False)
+    _bounds: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._global = Window(self.window)
         self._layers = Window(self.window, 0)
 
     def _bound(self, win: Window, ratio: float) -> np.ndarray:
-        """Log of the largest norm each baseline calls normal (inf while warming up)."""
+        """Log of the largest norm each baseline calls normal (inf while warming up).
+
+        Cached until the window next recomputes its statistics.
+        """
+        cached = self._bounds.get(id(win))
+        if cached is not None and cached[0] == win.version:
+            return cached[1]
         excess = np.maximum(self.z * np.maximum(win.spread, self.min_std), math.log(ratio))
-        return np.where(win.ready(self.warmup), win.center + excess, np.inf)
+        bound = np.where(win.ready(self.warmup), win.center + excess, np.inf)
+        self._bounds[id(win)] = (win.version, bound)
+        return bound
 
     def upper(self) -> float:
         """The largest global norm the baseline calls normal (inf while warming up)."""
@@ -75,16 +84,17 @@ class Exploding(Detector):
         layout = record.layout
         if layout.version != self._version:
             self._layers, self._version = Window(self.window, len(layout.layers)), layout.version
+            self._bounds.clear()  # a new window may reuse the old one's id
         if not math.isfinite(total):
             return []  # the nonfinite detector's; and nothing enters the baselines
         log_total = math.log(total) if total > 0 else -math.inf
         g_flag = bool(log_total > self._bound(self._global, self.ratio)[0])
         over = self.limit > 0 and total > self.limit
-        with np.errstate(divide="ignore", invalid="ignore"):
-            logs = np.log(norms.astype(np.float64))
+        values = norms.astype(np.float64)
+        logs = np.full(len(values), -np.inf)
+        np.log(values, out=logs, where=values > 0)  # zero and NaN norms stay -inf: no baseline value
         valid = np.isfinite(logs)
         lay = self._layers
-        l_excess = logs - lay.center
         l_flag = valid & (logs > self._bound(lay, self.layer_ratio))
         bad = g_flag or over
         self._global.update(log_total, not bad)
@@ -92,6 +102,7 @@ class Exploding(Detector):
         if not (bad or l_flag.any()):
             return []
 
+        l_excess = logs - lay.center
         flagged = np.flatnonzero(l_flag)
         top = int(flagged[np.argmax(l_excess[flagged])]) if len(flagged) else None
         layer = layout.layers[top] if top is not None else None

@@ -51,8 +51,8 @@ class LossSpike(Detector):
         if loss is None or not math.isfinite(loss):
             return []
         ema = self._ema
-        mean, std = float(ema.mean), float(ema.std())
-        flagged = bool(ema.ready(self.warmup)) and loss - mean > max(self.z * std, self.ratio * abs(mean))
+        mean, std = ema.mean, ema.std()
+        flagged = ema.ready(self.warmup) and loss - mean > max(self.z * std, self.ratio * abs(mean))
         self._run = self._run + 1 if flagged else 0
         if not flagged or self._run > self.adapt_after:
             ema.update(loss)

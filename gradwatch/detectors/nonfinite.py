@@ -37,7 +37,7 @@ class NonFinite(Detector):
         loss = record.scalars.get("loss")
         bad_loss = loss is not None and not math.isfinite(loss)
         counts = record.vector("grad_nonfinite", PARAM)
-        bad_grads = int(np.nansum(counts)) if counts is not None else 0
+        bad_grads = int(np.nansum(counts)) if counts is not None and (counts > 0).any() else 0
         act = record.vector("act_norm")
         bad_act = np.zeros(0, dtype=bool)
         if act is not None:

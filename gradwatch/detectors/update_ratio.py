@@ -42,7 +42,7 @@ class UpdateRatio(Detector):
         if record.skipped or ratio is None or grad is None:
             return []
         bad = record.vector("grad_nonfinite")
-        if bad is not None and np.nansum(bad) > 0:
+        if bad is not None and (bad > 0).any():
             return []
         lr = record.scalars.get("lr")
         layout = record.layout
