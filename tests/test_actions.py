@@ -157,6 +157,32 @@ def test_rollback_restores_the_last_snapshot_and_training_converges(run_dir: Pat
     assert run.steps == 120, "the step counter keeps counting loop iterations"
 
 
+def test_rollback_restores_the_grad_scaler(run_dir: Path) -> None:
+    model, x, y = regression()
+    rules = [gw.Rule(when="exploding", do="rollback")]
+    gw.watch(model, run=run_dir, rules=rules, snapshot_every=5, detectors={"exploding": {"warmup": 10}},
+             console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scales: dict[int, float] = {}
+    for step in range(30):
+        scales[step] = scaler.get_scale()  # what a snapshot taken at this step holds
+        xb, yb = batch(x, y, step)
+        if step == 23:
+            yb = yb * 1000.0  # a finite explosion: the scaler lets it through, the rule rolls back
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(xb), yb)).backward()
+        scaler.step(opt)
+        if step == 23:
+            assert scales[23] > scales[20], "the scale grew after the snapshot"
+            assert scaler.get_scale() == scales[20], "the rollback restored the scaler's state of step 20"
+        scaler.update()
+    gw.unwatch(model)
+    row = gw.open_run(run_dir).findings().iloc[0]
+    assert (row.kind, row.step, row.action) == ("exploding", 23, "rollback")
+    assert row.data["outcome"]["restored_step"] == 20
+
+
 def test_rollback_gives_up_after_max_rollbacks(run_dir: Path) -> None:
     model, x, y = regression()
     rules = [gw.Rule(when="nonfinite", do="rollback", max_rollbacks=2)]

@@ -96,17 +96,17 @@ class Exploding(Detector):
         valid = np.isfinite(logs)
         lay = self._layers
         l_flag = valid & (logs > self._bound(lay, self.layer_ratio))
+        center, typical = lay.center, self.typical()  # the baselines that judged (updates may refresh them)
+        l_excess = logs - center
         bad = g_flag or over
         self._global.update(log_total, not bad)
         lay.update(logs, valid & ~l_flag & (not bad))
         if not (bad or l_flag.any()):
             return []
 
-        l_excess = logs - lay.center
         flagged = np.flatnonzero(l_flag)
         top = int(flagged[np.argmax(l_excess[flagged])]) if len(flagged) else None
         layer = layout.layers[top] if top is not None else None
-        typical = self.typical()
         if bad:
             times = f", {total / typical:.3g}x its typical {typical:.3g}" if math.isfinite(typical) else ""
             where = f"; largest jump in {layer} ({layout.layer_types[top]})" if top is not None else ""
@@ -115,7 +115,7 @@ class Exploding(Detector):
         else:
             assert top is not None
             message = (f"gradient norm of {layer} ({layout.layer_types[top]}) is {norms[top]:.3g} at step "
-                       f"{record.step}, {math.exp(l_excess[top]):.3g}x its typical {math.exp(lay.center[top]):.3g}.")
+                       f"{record.step}, {math.exp(l_excess[top]):.3g}x its typical {math.exp(center[top]):.3g}.")
             value = float(norms[top])
         data = {"grad_norm": total, "typical": typical, "limit": self.limit if over else None,
                 "layers": [layout.layers[i] for i in flagged[np.argsort(-l_excess[flagged])]][:20], "hint": HINT}
