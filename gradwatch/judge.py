@@ -22,7 +22,7 @@ from gradwatch.config import Config
 from gradwatch.findings import Cooldown, Finding, rank
 from gradwatch.options import Options
 from gradwatch.records import StepRecord
-from gradwatch.rules import Decision, decide
+from gradwatch.rules import decide
 from gradwatch.writer import Writer
 
 _STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
@@ -64,7 +64,7 @@ class Judge:
     # ------------------------------------------------------------- decisions
     def defer(self, findings: Sequence[Finding]) -> None:
         """Persist findings made outside an optimizer step; their actions run at the next step."""
-        _label(decide(self.rules or [], findings), record_only=self.rules is None)
+        decide(self.rules or [], findings).label(record_only=self.rules is None)
         self.record(findings)
         self._deferred.extend(f for f in findings if self.rules)
 
@@ -80,7 +80,7 @@ class Judge:
         decision = decide(self.rules or [], [*deferred, *findings])
         if self.rules is None:  # record only: nothing may change training
             decision.actions = {"warn": [(f, None) for f in [*deferred, *findings]]}
-        _label(decision)
+        decision.label()
         record.logged = record.detail = True  # the step itself is kept at full resolution
         self.record(findings)
         relabelled = [f for f in deferred if f.id is not None]  # written before their action was known
@@ -133,12 +133,3 @@ class Judge:
         """Counts of findings by severity and the worst severity seen."""
         return {"counts": dict(self.counts), "worst": self.worst}
 
-
-def _label(decision: Decision, *, record_only: bool = False) -> None:
-    """Set each finding's ``action``: the action that ran (or runs next step) because of it."""
-    for action, pairs in decision.actions.items():
-        for finding, _ in pairs:
-            if record_only:
-                finding.action = "warn"
-            else:
-                finding.action = action if action == "warn" or decision.runs(action) else decision.main

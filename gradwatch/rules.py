@@ -194,6 +194,15 @@ class Decision:
             return self.main in ("clip", "scale_lr", "warn")
         return action == self.main
 
+    def label(self, *, record_only: bool = False) -> None:
+        """Set each finding's ``action``: the action that ran (or runs next step) because of it."""
+        for action, pairs in self.actions.items():
+            for finding, _ in pairs:
+                if record_only:
+                    finding.action = "warn"
+                else:
+                    finding.action = action if action == "warn" or self.runs(action) else self.main
+
 
 def decide(rules: Sequence[Rule], findings: Sequence[Finding]) -> Decision:
     """Match each finding with the first rule that applies."""

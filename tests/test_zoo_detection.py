@@ -16,6 +16,7 @@ import pytest
 import gradwatch as gw
 from gradwatch import detectors
 from gradwatch.options import DEFAULT_SAMPLE_PERIOD
+from gradwatch.rejudge import rejudge
 
 from .zoo import HEALTHY, PATHOLOGIES, Case, run
 
@@ -39,6 +40,15 @@ def first_report(kind: str, onset: int) -> int:
     return patience - 1
 
 
+def replay_matches(path: Path) -> None:
+    """Re-judging the stored run offline (``gradwatch check --rules``) finds what training found."""
+    with gw.open_run(path) as stored:
+        live = stored.findings()
+        again = rejudge(stored)
+    key = ["step", "kind", "severity", "layer", "phase", "action"]
+    assert again[key].fillna("-").values.tolist() == live[key].fillna("-").values.tolist()
+
+
 def train(case: Case, path: Path) -> tuple[list[dict[str, Any]], list[float], set[str]]:
     """Train a case watched with the default rules; its findings, losses and layer names."""
     model, optimizer, scheduler = case.build()
@@ -56,6 +66,7 @@ def train(case: Case, path: Path) -> tuple[list[dict[str, Any]], list[float], se
 @pytest.mark.parametrize("case", HEALTHY, ids=[c.name for c in HEALTHY])
 def test_healthy_zoo_is_quiet(case: Case, tmp_path: Path) -> None:
     found, losses, _ = train(case, tmp_path / "run")
+    replay_matches(tmp_path / "run")
     loud = [f for f in found if f["severity"] in ("warning", "error")]
     assert loud == [], f"{case.name}: {[(f['step'], f['kind'], f['layer'], f['message']) for f in loud]}"
     assert all(math.isfinite(x) for x in losses)
@@ -65,6 +76,7 @@ def test_healthy_zoo_is_quiet(case: Case, tmp_path: Path) -> None:
 def test_planted_pathology_is_found_at_its_layer_and_step(case: Case, tmp_path: Path) -> None:
     assert case.kind is not None and case.onset is not None
     found, losses, layers = train(case, tmp_path / "run")
+    replay_matches(tmp_path / "run")
     kinds = {f["kind"] for f in found}
     assert kinds <= {case.kind} | COMPANIONS.get(case.name, set()), f"unexpected findings: {found}"
     mine = sorted((f for f in found if f["kind"] == case.kind), key=lambda f: f["step"])

@@ -31,7 +31,7 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point."""
-    from gradwatch.cli import demo  # noqa: F401  (registers the command)
+    from gradwatch.cli import check, demo  # noqa: F401  (registers the commands)
 
     try:
         cli.main(args=argv, prog_name="gradwatch", standalone_mode=True)

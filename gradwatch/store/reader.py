@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from gradwatch.errors import RunError, SchemaError
-from gradwatch.records import LAYER, PARAM
+from gradwatch.records import LAYER, PARAM, Layout, StepRecord
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION, unpack
 
 
@@ -164,6 +165,81 @@ class Run:
         frame["leaf"] = frame["leaf"].astype(bool)
         return frame
 
+    def layout(self, version: int | None = None) -> Layout:
+        """The layout (layers, parameters, ownership) that vectors of a layout version follow.
+
+        Stores written before ``layout_info`` existed lack ownership and trainability: a
+        parameter is then owned by the layer whose name prefixes it, every parameter counts as
+        trainable and no layer as saturating.
+        """
+        version = self._latest_layout() if version is None else version
+        rows = self._query("SELECT scope, name, type, numel, leaf FROM entries WHERE layout = ? ORDER BY idx",
+                           (version,))
+        layers = [r for r in rows if r[0] == LAYER]
+        params = [r for r in rows if r[0] == PARAM]
+        if not layers:
+            raise RunError(f"the run at {str(self.path)!r} has no layout {version}")
+        try:
+            info_rows = self._conn.execute("SELECT data FROM layout_info WHERE layout = ?", (version,)).fetchall()
+        except sqlite3.OperationalError:  # a store from before the table existed
+            info_rows = []
+        names = [r[1] for r in layers]
+        if info_rows:
+            info = json.loads(info_rows[0][0])
+            owners = tuple((int(a), int(b)) for a, b in info["owners"])
+            saturating, trainable = tuple(info["saturating"]), tuple(bool(t) for t in info["trainable"])
+        else:
+            position = {n: i for i, n in enumerate(names)}
+            owners = tuple((position[owner], j) for j, r in enumerate(params)
+                           if (owner := _owner_name(r[1], position)) is not None)
+            saturating, trainable = (), (True,) * len(params)
+        return Layout(
+            version=version,
+            layers=tuple(names),
+            layer_types=tuple(r[2] for r in layers),
+            layer_numel=tuple(int(r[3]) for r in layers),
+            params=tuple(r[1] for r in params),
+            param_numel=tuple(int(r[3]) for r in params),
+            owners=owners,
+            leaves=tuple(i for i, r in enumerate(layers) if r[4]),
+            saturating=saturating,
+            trainable=trainable,
+        )
+
+    def records(self, chunk: int = 1000) -> Iterator[StepRecord]:
+        """Replay the stored steps as step records, in step order (for detectors run offline).
+
+        Vectors exist on the steps they were written for (logged steps; per-parameter vectors
+        on detailed ones); ``flight`` is never set. Reads ``chunk`` steps at a time, so memory
+        stays bounded on long runs.
+        """
+        layouts: dict[int, Layout] = {}
+        last = self._query("SELECT MAX(step) FROM steps")[0][0]
+        if last is None:
+            return
+        for start in range(0, int(last) + 1, chunk):
+            window = slice(start, start + chunk)
+            where, args = _where("name", None, window)
+            scalars: dict[int, dict[str, float]] = {}
+            for name, step, value in self._query(f"SELECT name, step, value FROM scalars WHERE {where}", args):
+                scalars.setdefault(int(step), {})[name] = math.nan if value is None else float(value)
+            vectors: dict[int, dict[tuple[str, str], np.ndarray]] = {}
+            for scope in (LAYER, PARAM):
+                for block in self._blocks(scope, None, window):
+                    values = np.where(block.present, block.values, np.float32(np.nan))
+                    for r, step in enumerate(block.steps.tolist()):
+                        vectors.setdefault(step, {})[(scope, block.metric)] = values[r]
+            rows = self._query("SELECT step, time, layout, logged, sampled, skipped FROM steps "
+                               "WHERE step >= ? AND step < ? ORDER BY step", (window.start, window.stop))
+            for step, at, version, logged, sampled, skipped in rows:
+                if version not in layouts:
+                    layouts[version] = self.layout(version)
+                vecs = vectors.get(step, {})
+                yield StepRecord(step=int(step), time=float(at), layout=layouts[version],
+                                 scalars=scalars.get(step, {}), vectors=vecs, skipped=bool(skipped),
+                                 logged=bool(logged), sampled=bool(sampled),
+                                 detail=any(scope == PARAM for scope, _ in vecs))
+
     # ------------------------------------------------------------------ metrics
     def _scalar_rows(self, names: list[str] | None, steps: slice | None) -> pd.DataFrame:
         """Global scalars in long form (step, metric, value); a stored NaN stays a row."""
@@ -310,6 +386,17 @@ class Run:
         frame["data"] = [json.loads(d) if d else {} for d in frame["data"]]
         frame["step"] = frame["step"].astype("int64")
         return frame
+
+
+def _owner_name(param: str, layers: dict[str, int]) -> str | None:
+    """The layer whose module path prefixes a parameter's name (the root layer otherwise)."""
+    parts = param.split(".")[:-1]
+    while parts:
+        name = ".".join(parts)
+        if name in layers:
+            return name
+        parts.pop()
+    return "(root)" if "(root)" in layers else None
 
 
 def _looks_like_sqlite(path: Path) -> bool:

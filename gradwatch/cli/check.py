@@ -1,0 +1,309 @@
+"""CLI ``gradwatch check`` (the CI gate) and ``gradwatch ls`` (the runs under a folder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from gradwatch import gate
+from gradwatch.cli import USAGE_ERROR, cli
+from gradwatch.errors import GradwatchError
+from gradwatch.findings import KINDS, rank
+from gradwatch.store.reader import Run, open_run
+from gradwatch.store.schema import DB_NAME
+
+FORMATS = ("text", "json", "junit", "github")
+
+
+@dataclass
+class Checked:
+    """One run judged against a threshold (or the reason it could not be read)."""
+
+    run: str
+    fail_on: str
+    steps: int = 0
+    status: str = "unreadable"
+    findings: list[gate.Item] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def failing(self) -> list[gate.Item]:
+        """The findings at or above the threshold."""
+        return [f for f in self.findings if rank(f.severity) >= rank(self.fail_on)]
+
+    @property
+    def verdict(self) -> str:
+        """``pass``, ``fail``, or ``error`` (unreadable)."""
+        return "error" if self.error is not None else "fail" if self.failing else "pass"
+
+    def to_json(self) -> dict[str, Any]:
+        """PRODUCT.md's object for one run (plus ``status``, ``fail_on`` and ``error``)."""
+        out: dict[str, Any] = {"run": self.run, "verdict": self.verdict, "steps": self.steps,
+                               "status": self.status, "fail_on": self.fail_on,
+                               "findings": [f.to_json() for f in self.findings]}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def judge_run(path: str, fail_on: str, rules: Path | None) -> Checked:
+    """Read one run and judge it; a run that cannot be read is returned with its ``error``."""
+    start = time.perf_counter()
+    checked = Checked(run=path, fail_on=fail_on)
+    try:
+        with open_run(path) as run:
+            checked.steps, checked.status = run.steps, run.status
+            checked.findings = gate.items(_findings(run, rules))
+    except GradwatchError as exc:
+        checked.error = str(exc)
+    checked.seconds = time.perf_counter() - start
+    return checked
+
+
+def _findings(run: Run, rules: Path | None) -> Any:
+    if rules is None:
+        return run.findings()
+    from gradwatch.rejudge import rejudge
+
+    return rejudge(run, rules)
+
+
+# ------------------------------------------------------------------ formats
+def _console(file: Any) -> Console:
+    """A console for a CI log: colour only on a terminal (and never with NO_COLOR)."""
+    terminal = hasattr(file, "isatty") and file.isatty()
+    width = None if terminal else int(os.environ.get("COLUMNS", "160"))
+    return Console(file=file, width=width, highlight=False, force_terminal=terminal or None,
+                   no_color="NO_COLOR" in os.environ or not terminal)
+
+
+def render_text(results: list[Checked], file: Any) -> None:
+    """One table of findings per run, then its verdict."""
+    console = _console(file)
+    for res in results:
+        if res.error is not None:
+            console.print(f"[bold]{escape(res.run)}[/bold]: [red]cannot be read[/red]: {escape(res.error)}")
+            continue
+        shown = [f for f in res.findings if f.severity != "info" or res.fail_on == "info"]
+        title = f"{res.run}: {res.steps} steps, {res.status}"
+        if shown:
+            table = Table(title=escape(title), title_justify="left")
+            for col in ("step", "severity", "kind", "layer", "action", "message"):
+                table.add_column(col, overflow="fold", no_wrap=col in ("step", "severity", "kind"))
+            for f in shown:
+                step = f"{f.step}" + (f" (x{f.repeats})" if f.repeats > 1 else "")
+                text = escape(f.message) + (f"\n[dim]try: {escape(f.hint)}[/dim]" if f.hint else "")
+                mark = "[bold red]" if rank(f.severity) >= rank(res.fail_on) else ""
+                severity = f"{mark}{f.severity}[/]" if mark else f.severity
+                table.add_row(step, severity, f.kind, escape(f.where()), f.action or "-", text)
+            console.print(table)
+        else:
+            console.print(f"[bold]{escape(title)}[/bold]: no findings of warning or error severity")
+        n = len(res.failing)
+        if n:
+            plural = "s" * (n != 1)
+            console.print(f"[bold red]FAIL[/]: {n} finding{plural} at or above {res.fail_on} in {escape(res.run)}")
+        else:
+            console.print(f"[bold green]PASS[/]: no finding at or above {res.fail_on} in {escape(res.run)}")
+
+
+def render_json(results: list[Checked]) -> str:
+    """One object for one run, an array for several."""
+    objs = [r.to_json() for r in results]
+    return json.dumps(objs[0] if len(objs) == 1 else objs, indent=2, allow_nan=False) + "\n"
+
+
+def render_junit(results: list[Checked]) -> str:
+    """JUnit XML: a test suite per run, a test case per finding kind (and one for reading the run)."""
+    from xml.etree import ElementTree as ET
+
+    root = ET.Element("testsuites", name="gradwatch")
+    totals = {"tests": 0, "failures": 0, "errors": 0}
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    for res in results:
+        suite = ET.SubElement(root, "testsuite", name=res.run, timestamp=stamp, time=f"{res.seconds:.3f}")
+        cases = {"tests": 0, "failures": 0, "errors": 0}
+        classname = "gradwatch." + (Path(res.run).name or "run")
+        read = ET.SubElement(suite, "testcase", classname=classname, name="run is readable", time=f"{res.seconds:.3f}")
+        cases["tests"] += 1
+        if res.error is not None:
+            ET.SubElement(read, "error", message=res.error, type="RunError").text = res.error
+            cases["errors"] += 1
+        else:
+            for kind in KINDS:
+                case = ET.SubElement(suite, "testcase", classname=classname, name=kind, time="0")
+                cases["tests"] += 1
+                bad = [f for f in res.failing if f.kind == kind]
+                if bad:
+                    first = bad[0]
+                    message = f"step {first.step}, {first.where()}: {first.message}"
+                    ET.SubElement(case, "failure", message=message, type=kind).text = "\n".join(f.line() for f in bad)
+                    cases["failures"] += 1
+        suite.set("tests", str(cases["tests"]))
+        suite.set("failures", str(cases["failures"]))
+        suite.set("errors", str(cases["errors"]))
+        suite.set("skipped", "0")
+        for key in totals:
+            totals[key] += cases[key]
+    for key, value in totals.items():
+        root.set(key, str(value))
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def _escape_data(text: str) -> str:
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _escape_property(text: str) -> str:
+    return _escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def render_github(results: list[Checked]) -> str:
+    """GitHub Actions workflow commands: an annotation per finding (error at/above the threshold)."""
+    lines = []
+    for res in results:
+        where = str(Path(res.run) / DB_NAME)
+        if res.error is not None:
+            lines.append(f"::error file={_escape_property(where)},title={_escape_property('gradwatch: run unreadable')}"
+                         f"::{_escape_data(res.error)}")
+            continue
+        for f in res.findings:
+            if f.severity == "info":
+                continue
+            level = "error" if rank(f.severity) >= rank(res.fail_on) else "warning"
+            title = f"gradwatch {f.kind} at {f.where()}, step {f.step}"
+            body = f"{res.run}: {f.message}" + (f" [action: {f.action}]" if f.action else "")
+            body += f"\nTry: {f.hint}." if f.hint else ""
+            lines.append(f"::{level} file={_escape_property(where)},title={_escape_property(title)}"
+                         f"::{_escape_data(body)}")
+        verdict = "FAIL" if res.failing else "PASS"
+        lines.append(f"{verdict}: {res.run}: {len(res.failing)} finding(s) at or above {res.fail_on}")
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write a file through a temporary sibling and a rename: never half-written."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise click.UsageError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+
+
+# ----------------------------------------------------------------- commands
+@cli.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--fail-on", type=click.Choice(gate.FAIL_ON), default="error", show_default=True,
+              help="Fail when a finding has at least this severity.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
+              help="Output: a table, JSON, JUnit XML, or GitHub Actions annotations.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the output to this file instead of standard output.")
+@click.option("--rules", type=click.Path(dir_okay=False, path_type=Path),
+              help="Re-judge the recorded runs with this rules file's detector settings (no retraining).")
+def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, rules: Path | None) -> None:
+    """Judge recorded runs: exit 0 when none has a finding at or above --fail-on, else 1 (2: unreadable)."""
+    if rules is not None:
+        from gradwatch.rejudge import validate
+
+        validate(rules)  # a bad rules file is a usage error before any run is read
+    results = [judge_run(path, fail_on, rules) for path in runs]
+    if fmt == "text":
+        if output is None:
+            render_text(results, sys.stdout)
+        else:
+            from io import StringIO
+
+            buf = StringIO()
+            render_text(results, buf)
+            _write_atomic(output, buf.getvalue())
+    else:
+        text = {"json": render_json, "junit": render_junit, "github": render_github}[fmt](results)
+        if output is None:
+            click.echo(text, nl=False)
+        else:
+            _write_atomic(output, text)
+    for res in results:
+        if res.error is not None:
+            click.echo(f"gradwatch: error: {res.error}", err=True)
+    ctx = click.get_current_context()
+    if any(r.error is not None for r in results):
+        ctx.exit(USAGE_ERROR)
+    ctx.exit(1 if any(r.failing for r in results) else 0)
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Run directories under ``root`` (itself included), in path order."""
+    if (root / DB_NAME).is_file():
+        return [root]
+    return sorted(p.parent for p in root.rglob(DB_NAME) if p.is_file())
+
+
+def _updated(run_dir: Path) -> float:
+    """When the run's store last changed (its WAL included)."""
+    times = [p.stat().st_mtime for p in (run_dir / DB_NAME, run_dir / f"{DB_NAME}-wal") if p.exists()]
+    return max(times, default=0.0)
+
+
+def describe_run(run_dir: Path, root: Path) -> dict[str, Any]:
+    """One row of ``gradwatch ls``: name, steps, status, verdict, counts, last update."""
+    name = str(run_dir.relative_to(root)) if run_dir != root else str(run_dir)
+    row: dict[str, Any] = {"run": name if name != "." else str(run_dir), "path": str(run_dir),
+                           "updated": _updated(run_dir)}
+    try:
+        with open_run(run_dir) as run:
+            counts = run.findings()["severity"].value_counts().to_dict()
+            worst = max(counts, key=rank, default=None)
+            row.update(steps=run.steps, status=run.status, worst=worst,
+                       findings={s: int(counts.get(s, 0)) for s in ("info", "warning", "error")})
+    except GradwatchError as exc:
+        row.update(steps=None, status="unreadable", worst=None, findings=None, error=str(exc))
+    return row
+
+
+@cli.command(name="ls")
+@click.argument("root", default="runs", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True,
+              help="A table, or JSON (one object per run).")
+def ls(root: Path, fmt: str) -> None:
+    """List the runs under ROOT with steps, status and verdict."""
+    if not root.exists():
+        raise click.UsageError(f"no such folder: {str(root)!r}")
+    rows = [describe_run(d, root) for d in find_runs(root)]
+    if fmt == "json":
+        click.echo(json.dumps(rows, indent=2))
+        return
+    console = _console(sys.stdout)
+    if not rows:
+        console.print(f"no runs under {escape(str(root))}")
+        return
+    table = Table()
+    for col, justify in (("run", "left"), ("steps", "right"), ("status", "left"), ("verdict", "left"),
+                         ("findings (error/warning/info)", "right"), ("updated", "left")):
+        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for row in rows:
+        counts = row["findings"]
+        verdict = ("unreadable: " + row["error"]) if row.get("error") else (
+            "clean" if not row["worst"] else f"worst: {row['worst']}")
+        table.add_row(escape(row["run"]), "-" if row["steps"] is None else str(row["steps"]), row["status"],
+                      escape(verdict),
+                      "-" if counts is None else f"{counts['error']}/{counts['warning']}/{counts['info']}",
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["updated"])))
+    console.print(table)
+
+
+__all__ = ["USAGE_ERROR", "check", "ls"]
