@@ -7,23 +7,49 @@ import os
 import sqlite3
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import pytest
 import torch
+from click.testing import CliRunner
 from junitparser import Error, Failure, JUnitXml
 from torch import nn
 
 import gradwatch as gw
+from gradwatch.cli import check as _registers_check  # noqa: F401
+from gradwatch.cli import cli
 from gradwatch.findings import KINDS
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION
 
 
-def gradwatch(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "COLUMNS": "200"}
-    return subprocess.run(["gradwatch", *args], capture_output=True, text=True, cwd=cwd, timeout=300,
-                          env={**base, **(env or {})})
+def gradwatch(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> Result:
+    """Run the command in this process (fast); :func:`installed` runs the console script."""
+    runner = CliRunner()
+    here = Path.cwd()
+    try:
+        os.chdir(cwd or here)
+        res = runner.invoke(cli, list(args), env={"COLUMNS": "200", **(env or {})}, prog_name="gradwatch")
+    finally:
+        os.chdir(here)
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    return Result(res.exit_code, res.stdout, res.stderr)
+
+
+def installed(*args: str) -> Result:
+    """Run the installed ``gradwatch`` console script, as CI does."""
+    done = subprocess.run(["gradwatch", *args], capture_output=True, text=True, timeout=300,
+                          env={"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "COLUMNS": "200"})
+    return Result(done.returncode, done.stdout, done.stderr)
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
 def regression(path: Path, *, steps: int = 60, corrupt: int | None = None, poison: int | None = None,
@@ -67,8 +93,8 @@ def test_exit_codes_follow_the_threshold(runs: dict[str, Path]) -> None:
     assert gradwatch("check", str(runs["healthy"]), "--fail-on", "warning").returncode == 0
     assert gradwatch("check", str(runs["warnings"])).returncode == 0, "warnings pass the default (error) gate"
     assert gradwatch("check", str(runs["warnings"]), "--fail-on", "warning").returncode == 1
-    nan = gradwatch("check", str(runs["nan"]))
-    assert nan.returncode == 1
+    nan = installed("check", str(runs["nan"]))
+    assert nan.returncode == 1 and "nonfinite" in nan.stdout
     assert gradwatch("check", str(runs["healthy"]), str(runs["nan"])).returncode == 1, "any failing run fails"
 
 
@@ -149,7 +175,7 @@ def test_unreadable_runs_exit_2_with_one_line(tmp_path: Path, runs: dict[str, Pa
     conn.close()
     for target, reason in ((tmp_path / "missing", "does not exist"), (tmp_path / "empty", "not a gradwatch run"),
                            (tmp_path / "corrupt", "corrupted"), (newer, "upgrade gradwatch")):
-        result = gradwatch("check", str(target))
+        result = installed("check", str(target))
         assert result.returncode == 2, target
         assert result.stderr.count("\n") == 1 and reason in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
@@ -164,7 +190,8 @@ def test_unreadable_runs_exit_2_with_one_line(tmp_path: Path, runs: dict[str, Pa
 def test_rules_rejudge_a_recorded_run_without_retraining(runs: dict[str, Path], tmp_path: Path) -> None:
     quiet = tmp_path / "quiet.toml"
     quiet.write_text("[detectors.exploding]\nenabled = false\n\n[detectors.loss_spike]\nz = 1.0e6\n")
-    result = gradwatch("check", str(runs["warnings"]), "--fail-on", "warning", "--rules", str(quiet), "--format", "json")
+    result = gradwatch("check", str(runs["warnings"]), "--fail-on", "warning", "--rules", str(quiet),
+                       "--format", "json")
     assert result.returncode == 0 and json.loads(result.stdout)["findings"] == []
     strict = tmp_path / "strict.toml"
     strict.write_text('[detectors.loss_spike]\nz = 6.0\n\n[[rules]]\nwhen = "loss_spike"\ndo = "halt"\n'
