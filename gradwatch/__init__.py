@@ -12,6 +12,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from gradwatch.errors import (
     ConfigError,
     GradwatchError,
@@ -21,11 +24,40 @@ from gradwatch.errors import (
     SchemaError,
     TrainingHalted,
 )
-from gradwatch.findings import Finding
-from gradwatch.registry import unwatch, watch, watcher
-from gradwatch.rules import Rule
-from gradwatch.store.reader import Run, open_run
-from gradwatch.watcher import Watcher
+
+if TYPE_CHECKING:
+    from gradwatch.findings import Finding
+    from gradwatch.registry import unwatch, watch, watcher
+    from gradwatch.rules import Rule
+    from gradwatch.store.reader import Run, open_run
+    from gradwatch.watching import Watcher
+
+#: public names imported on first use, so that ``import gradwatch`` (the pytest plugin, the CLI)
+#: does not pay for torch until something needs it
+_LAZY = {
+    "Finding": "gradwatch.findings",
+    "Rule": "gradwatch.rules",
+    "Run": "gradwatch.store.reader",
+    "open_run": "gradwatch.store.reader",
+    "unwatch": "gradwatch.registry",
+    "watch": "gradwatch.registry",
+    "watcher": "gradwatch.registry",
+    "Watcher": "gradwatch.watching",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradwatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "ConfigError",

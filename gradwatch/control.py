@@ -23,7 +23,7 @@ from gradwatch.errors import RunError, TrainingHalted
 from gradwatch.findings import Finding
 
 if TYPE_CHECKING:
-    from gradwatch.watcher import Watcher
+    from gradwatch.watching import Watcher
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -18,7 +18,7 @@ from gradwatch.config import Config, resolve
 from gradwatch.errors import ConfigError, GradwatchWarning
 from gradwatch.layout import unwrap
 from gradwatch.options import Options
-from gradwatch.watcher import Watcher
+from gradwatch.watching import Watcher
 
 M = TypeVar("M")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
@@ -12,8 +13,26 @@ from gradwatch.errors import GradwatchError
 USAGE_ERROR = 2
 
 
+#: command name -> the module that defines it, imported when the command is used (so that
+#: ``gradwatch check`` or ``ls`` does not pay for torch, which only ``doctor`` and ``demo`` need)
+COMMANDS = {
+    "check": "gradwatch.cli.check",
+    "demo": "gradwatch.cli.demo",
+    "doctor": "gradwatch.cli.doctor",
+    "ls": "gradwatch.cli.check",
+}
+
+
 class _Group(click.Group):
-    """A click group that reports gradwatch errors as one line, without a traceback."""
+    """A click group that loads its commands on use and reports gradwatch errors as one line."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            importlib.import_module(COMMANDS[cmd_name])
+        return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -31,8 +50,6 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point."""
-    from gradwatch.cli import check, demo  # noqa: F401  (registers the commands)
-
     try:
         cli.main(args=argv, prog_name="gradwatch", standalone_mode=True)
     except SystemExit as exc:
