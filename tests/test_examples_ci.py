@@ -1,0 +1,129 @@
+"""examples/ci: the smoke test passes under the gradwatch pytest plugin and keeps readable runs; a
+broken training fails it; the GitHub Actions workflow's commands do what it says, as written.
+
+The example runs as a separate pytest session (``python -m pytest`` in a subprocess, from a copy
+of the example's directory, so that its own ``pyproject.toml`` is the ini file and nothing is
+written into the checkout), which loads the plugin through the installed ``pytest11`` entry point
+as a user's session would; ``PYTHONPATH`` points at this checkout so that it is this checkout's
+gradwatch that runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradwatch as gw
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "ci"
+WORKFLOW = EXAMPLE / ".github" / "workflows" / "gradwatch.yml"
+TESTS = ("test_smoke_training_learns", "test_smoke_training_has_healthy_gradients")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["COLUMNS"] = "300"
+    return env
+
+
+def _shell(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run a workflow command with bash, ``python`` and ``gradwatch`` being this interpreter's."""
+    command = re.sub(r"^python ", f"{sys.executable} ", command)
+    command = re.sub(r"^gradwatch ", f"{sys.executable} -m gradwatch ", command)
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _workflow_commands() -> list[str]:
+    """The one-line ``run:`` commands of the workflow, in order."""
+    return re.findall(r"^\s+run: (?!\|)(.+)$", WORKFLOW.read_text(), re.MULTILINE)
+
+
+def _project(where: Path) -> Path:
+    """A copy of the example, as a team has it: at the root of its repository."""
+    project = where / "project"
+    shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache", "runs"))
+    return project
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The example's smoke tests, run once from the example's directory with their runs kept."""
+    where = tmp_path_factory.mktemp("example")
+    runs = where / "runs"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests", "-q", "--gradwatch-runs", str(runs)],
+        cwd=_project(where), env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    return result, runs
+
+
+def test_smoke_example_passes_and_keeps_readable_runs(healthy: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    result, runs = healthy
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout and "2 runs kept in" in result.stdout
+    assert sorted(p.name for p in runs.iterdir()) == sorted(f"tests_test_smoke_training.py__{t}-0" for t in TESTS)
+    for name in TESTS:
+        run = gw.open_run(runs / f"tests_test_smoke_training.py__{name}-0")
+        assert (run.steps, run.status) == (40, "finished")
+        assert run.layers == ["fc1", "act", "fc2"]
+        assert run.findings().empty
+
+
+def test_workflow_gate_passes_on_the_healthy_runs(healthy: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    result, runs = healthy
+    assert result.returncode == 0, result.stdout + result.stderr
+    (gate,) = [c for c in _workflow_commands() if c.startswith("gradwatch check")]
+    checked = _shell(gate, cwd=runs.parent)  # the workflow's `runs/*`, relative to where the tests ran
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "::error" not in checked.stdout and "::warning" not in checked.stdout
+
+
+def test_broken_training_fails_the_smoke_test_and_the_gate(tmp_path: Path) -> None:
+    project = _project(tmp_path)
+    source = project / "smoke_train.py"
+    text = source.read_text()
+    assert text.count("lr: float = 0.05") == 1
+    source.write_text(text.replace("lr: float = 0.05", "lr: float = 1.0"))  # the gradients blow up at step 3
+
+    commands = _workflow_commands()
+    (tests,) = [c for c in commands if "-m pytest" in c]
+    (gate,) = [c for c in commands if c.startswith("gradwatch check")]
+    result = _shell(tests, cwd=project)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "2 failed" in result.stdout
+    assert re.search(r"^  step 3 \(x\d+\) error exploding at \(global\): global gradient norm .* \[action: clip\]",
+                     result.stdout, re.MULTILINE), result.stdout
+    assert len(list((project / "runs").iterdir())) == 2
+
+    checked = _shell(gate, cwd=project)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert re.search(r"^::error file=runs/.+,title=gradwatch exploding.*step 3::", checked.stdout, re.MULTILINE)
+
+
+def test_workflow_installs_tests_gates_and_uploads() -> None:
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed: the workflow's YAML cannot be parsed")
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` key as true
+    assert {"push", "pull_request"} <= set(triggers)
+    (job,) = workflow["jobs"].values()
+    steps = job["steps"]
+    runs = [step.get("run", "") for step in steps]
+    uses = [step.get("uses", "") for step in steps]
+    (install,) = [r for r in runs if "pip install torch" in r]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in install and "install gradwatch pytest" in install
+    tests = runs.index("python -m pytest --gradwatch-runs runs/")
+    gate = runs.index("gradwatch check runs/* --fail-on error --format github")
+    (upload,) = [i for i, u in enumerate(uses) if u.startswith("actions/upload-artifact@")]
+    assert uses.index("actions/checkout@v4") < runs.index(install) < tests < gate < upload
+    assert steps[upload]["with"]["path"] == "runs/"
+    assert "!cancelled()" in steps[gate]["if"] and "!cancelled()" in steps[upload]["if"]  # also after a failure
+    assert _workflow_commands() == [runs[tests], runs[gate]]  # what the tests above ran
