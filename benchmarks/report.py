@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="build the synthetic run here and keep it")
     args = parser.parse_args()
 
-    from gradwatch.report import write_report
+    from gradwatch.report import write as write_report
 
     console = Console()
     tmp = None

@@ -26,6 +26,10 @@ def test_demo_trains_writes_a_run_and_summarises_it(tmp_path: Path) -> None:
     smallest = run.metrics("grad_norm", include_global=False).groupby("layer")["value"].median().idxmin()
     assert smallest in out
     assert "tensorboard --logdir" in out
+    report = tmp_path / "demo" / "report.html"
+    assert f"Report:       {report}" in out
+    assert report.is_file() and 'data-state="' in report.read_text(encoding="utf-8")
+    assert not [p.name for p in report.parent.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_demo_pathologies_are_found_and_rescued(tmp_path: Path) -> None:
@@ -42,6 +46,9 @@ def test_demo_pathologies_are_found_and_rescued(tmp_path: Path) -> None:
     assert loss.iloc[-20:].mean() < 0.1 * loss.iloc[:20].mean()
     assert "findings" in result.stdout and "features" in result.stdout and "skip" in result.stdout
     assert run.verdict["worst"] == "error" and run.verdict["status"] == "finished"
+    report = (tmp_path / "demo" / "report.html").read_text(encoding="utf-8")
+    assert 'id="verdict" data-state="errors"' in report
+    assert 'data-kind="nonfinite" data-step="100"' in report and 'data-kind="exploding" data-step="180"' in report
 
 
 def test_demo_default_run_directory(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ COMMANDS = {
     "demo": "gradwatch.cli.demo",
     "doctor": "gradwatch.cli.doctor",
     "ls": "gradwatch.cli.check",
+    "report": "gradwatch.cli.report",
 }
 
 

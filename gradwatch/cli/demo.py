@@ -1,4 +1,4 @@
-"""CLI ``gradwatch demo``: train the built-in model and print a summary of its run."""
+"""CLI ``gradwatch demo``: train the built-in model, print a summary of its run and write its report."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gradwatch.summary import Summary, summarize
               help="Run directory to write (replaced if it exists).")
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1), help="Optimizer steps to train.")
 def demo(run_dir: Path, steps: int) -> None:
-    """Train a small built-in model with gradwatch attached and summarise its run."""
+    """Train a small built-in model with gradwatch attached, summarise its run and write its HTML report."""
     from gradwatch.demo import run_demo
 
     console = Console()
@@ -29,7 +29,11 @@ def demo(run_dir: Path, steps: int) -> None:
     with open_run(path) as run:
         render(console, path, summarize(run))
         render_findings(console, run.findings())
-    console.print(f"\nTensorBoard:  tensorboard --logdir {path.parent}")
+    from gradwatch.report import write
+
+    report = write(path)
+    console.print(f"\nReport:       {escape(str(report))}  (open it in a browser)", soft_wrap=True)
+    console.print(f"TensorBoard:  tensorboard --logdir {path.parent}")
     console.print(f"In Python:    gw.open_run({str(path)!r}).metrics()")
 
 

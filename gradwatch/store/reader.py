@@ -293,6 +293,7 @@ class Run:
             by_metric: dict[str, list[tuple[Any, ...]]] = {}
             for row in rows:
                 by_metric.setdefault(row[0], []).append(row[1:])
+            idx = np.asarray(cols, dtype=np.intp)
             for metric, group in by_metric.items():
                 values = np.empty((len(group), len(cols)), dtype=np.float32)
                 present = np.empty((len(group), len(cols)), dtype=bool)
@@ -302,7 +303,7 @@ class Run:
                         present[r] = True if mask is None else _bits(mask, cols)
                     else:
                         full, full_present = unpack(codec, data, mask, len(all_names))
-                        values[r], present[r] = full[cols], full_present[cols]
+                        values[r], present[r] = full[idx], full_present[idx]
                 blocks.append(_Block(
                     metric=metric,
                     names=[all_names[c] for c in cols],

@@ -1,0 +1,145 @@
+"""Report findings: each finding with its outcome, evidence and the series that shows it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from gradwatch.findings import rank
+from gradwatch.report.remedies import explain
+from gradwatch.report.text import fmt
+from gradwatch.store.reader import Run
+
+#: findings explained one by one (all are listed in the table)
+MAX_CARDS = 200
+#: steps of history shown before (and after) a finding in its sparkline
+SPARK_BEFORE, SPARK_AFTER = 32, 8
+#: keys of a finding's data shown elsewhere (or not worth showing) in its evidence
+_NOT_EVIDENCE = {"hint", "repeats", "last_step", "outcome", "layers", "parameters", "origin", "type"}
+
+
+@dataclass
+class Spark:
+    """A finding's evidence series: a metric around its step."""
+
+    label: str
+    steps: np.ndarray
+    values: np.ndarray
+    step: int
+    log: bool
+
+
+@dataclass
+class Item:
+    """One finding, ready to show."""
+
+    index: int
+    step: int
+    kind: str
+    severity: str
+    layer: str | None
+    phase: str | None
+    message: str
+    action: str | None
+    hint: str | None
+    repeats: int
+    last_step: int | None
+    outcome: str | None
+    evidence: list[tuple[str, str]]
+    related: list[str]
+    restored_step: int | None
+    spark: Spark | None = None
+
+    @property
+    def where(self) -> str:
+        """The layer (and phase), or "global"."""
+        where = self.layer if self.layer is not None else "global"
+        return f"{where} ({self.phase})" if self.phase else where
+
+
+def _outcome(action: str | None, outcome: Any) -> tuple[str | None, int | None]:
+    if not isinstance(outcome, dict) or not outcome:
+        return None, None
+    restored = outcome.get("restored_step")
+    if action == "clip" and outcome.get("clipped"):
+        text = f"gradients clipped to norm {fmt(outcome.get('max_norm'))}"
+        if outcome.get("coef") is not None:
+            text += f" (scaled by {fmt(outcome.get('coef'))})"
+    elif action == "clip":
+        text = f"no clipping needed (norm already below {fmt(outcome.get('max_norm'))})"
+    elif action == "skip" or outcome.get("skipped"):
+        text = "the step was skipped: weights and optimizer state unchanged"
+        if (outcome.get("consecutive") or 1) > 1:
+            text += f" ({outcome['consecutive']} in a row)"
+    elif action == "rollback" and outcome.get("rolled_back"):
+        text = f"rolled back to the snapshot of step {restored}"
+        if outcome.get("skip_batches"):
+            text += f", skipping {outcome['skip_batches']} batch(es)"
+        if outcome.get("lr_scale") not in (None, 1, 1.0):
+            text += f", learning rate x{fmt(outcome['lr_scale'])}"
+    elif action == "rollback":
+        text = str(outcome.get("reason") or "not rolled back")
+    elif action == "scale_lr":
+        text = f"learning rate x{fmt(outcome.get('factor'))} (now {fmt(outcome.get('lr'))})"
+    else:
+        text = ", ".join(f"{k} {fmt(v)}" for k, v in outcome.items() if not isinstance(v, dict | list))
+    return text, int(restored) if isinstance(restored, int | float) else None
+
+
+def items(run: Run, findings: pd.DataFrame, scalars: pd.DataFrame) -> list[Item]:
+    """The run's findings (``run.findings()``) ready to show; the first ``MAX_CARDS`` explained get a spark."""
+    out = []
+    for i, row in enumerate(findings.itertuples(index=False)):
+        data = row.data if isinstance(row.data, dict) else {}
+        layer = row.layer if isinstance(row.layer, str) else None
+        action = row.action if isinstance(row.action, str) else None
+        outcome, restored = _outcome(action, data.get("outcome"))
+        evidence = [(str(k).replace("_", " "), fmt(v)) for k, v in data.items()
+                    if k not in _NOT_EVIDENCE and isinstance(v, int | float) and not isinstance(v, bool)]
+        if data.get("origin"):
+            evidence.append(("origin", str(data["origin"]) + (f" ({data['type']})" if data.get("type") else "")))
+        related = [str(x) for x in (data.get("layers") or data.get("parameters") or [])][:8]
+        out.append(Item(
+            index=i, step=int(row.step), kind=str(row.kind), severity=str(row.severity), layer=layer,
+            phase=row.phase if isinstance(row.phase, str) else None, message=str(row.message), action=action,
+            hint=data.get("hint") if isinstance(data.get("hint"), str) else None,
+            repeats=int(data.get("repeats", 1) or 1),
+            last_step=int(data["last_step"]) if isinstance(data.get("last_step"), int | float) else None,
+            outcome=outcome, evidence=evidence, related=related, restored_step=restored,
+        ))
+    for item in card_order(out)[:MAX_CARDS]:
+        item.spark = spark(run, item, scalars)
+    return out
+
+
+def card_order(items: list[Item]) -> list[Item]:
+    """Findings in the order they are explained: most severe first, then by step."""
+    return sorted(items, key=lambda i: (-rank(i.severity) if i.severity in ("info", "warning", "error") else 0,
+                                        i.step, i.index))
+
+
+def spark(run: Run, item: Item, scalars: pd.DataFrame) -> Spark | None:
+    """The series that shows a finding: its kind's metric for its layer around its step (the flight
+    recorder keeps those steps at full resolution), else the layer's gradient norm, else the global
+    gradient norm (or the loss, for a loss spike); None when nothing was recorded there.
+    """
+    kind = explain(item.kind)
+    lo, hi = max(0, item.step - SPARK_BEFORE), item.step + SPARK_AFTER + 1
+    if item.layer is not None and kind.metric != "loss":
+        for metric in dict.fromkeys((kind.metric, "grad_norm")):
+            frame = run.metrics(metric, layers=[item.layer], steps=slice(lo, hi), include_global=False)
+            if len(frame) and np.isfinite(frame["value"]).any():
+                log = kind.log if metric == kind.metric else True
+                return Spark(f"{metric} of {item.layer}", frame["step"].to_numpy(), frame["value"].to_numpy(),
+                             item.step, log)
+    name = "loss" if kind.metric == "loss" else "grad_norm"
+    if name not in scalars:
+        return None
+    window = scalars[name].loc[lo:hi - 1].dropna(how="all")
+    if not len(window):
+        return None
+    label = "loss" if name == "loss" else "global gradient norm"
+    return Spark(label, window.index.to_numpy(), window.to_numpy(dtype=np.float64), item.step, name != "loss")

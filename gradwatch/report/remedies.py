@@ -1,0 +1,140 @@
+"""Report remedies: what each finding kind means and what to try, in plain words."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How the report explains one finding kind.
+
+    Attributes:
+        title: a short name for people.
+        meaning: one sentence on what the finding says about training.
+        remedies: concrete things to try, most likely first.
+        metric: the per-layer metric that shows the evidence (for the sparkline).
+        log: whether that metric is best read on a log scale.
+    """
+
+    title: str
+    meaning: str
+    remedies: tuple[str, ...]
+    metric: str = "grad_norm"
+    log: bool = True
+
+
+KINDS: dict[str, Kind] = {
+    "nonfinite": Kind(
+        "NaN / Inf",
+        "A NaN or Inf appeared in the loss, an activation or a gradient; one such update would poison every weight.",
+        (
+            "Look at the origin module named here first: the op inside it that can produce NaN/Inf is the culprit.",
+            "The usual culprits: log(0) or log of a negative number, sqrt of a negative number, division by zero "
+            "(normalising a zero vector), exp() overflow. Add an epsilon, clamp the argument, or use a stable form "
+            "(log_softmax, logsumexp, F.normalize with eps).",
+            "Check the input batch for NaN/Inf values (torch.isfinite(x).all()) and the labels for out-of-range "
+            "values.",
+            "In fp16, values above 65504 overflow to Inf: use bf16, or torch.amp.GradScaler for the loss.",
+            "A learning rate that is too high drives weights to overflow after a few steps: lower it or add warmup.",
+            "Let gradwatch protect the run meanwhile: gw.Rule(when='nonfinite', do='skip') or do='rollback'.",
+        ),
+        metric="grad_norm",
+    ),
+    "vanishing": Kind(
+        "Vanishing gradient",
+        "The layer's gradient is negligible, so it has (almost) stopped learning.",
+        (
+            "Add residual (skip) connections so the gradient has a short path to early layers.",
+            "Add normalisation (BatchNorm, LayerNorm) between layers to keep activations in a useful range.",
+            "Replace sigmoid/tanh in deep stacks with ReLU-family activations (ReLU, LeakyReLU, GELU, SiLU).",
+            "Initialise weights for the activation: Kaiming (He) for ReLU-family, Xavier (Glorot) for tanh/sigmoid.",
+            "If the layer is meant to be frozen, freeze it explicitly (requires_grad_(False)).",
+        ),
+    ),
+    "exploding": Kind(
+        "Exploding gradient",
+        "The gradient norm jumped far above its own recent history; an update that large can wreck the weights.",
+        (
+            "Clip the gradient norm: torch.nn.utils.clip_grad_norm_ or gw.Rule(when='exploding', do='clip').",
+            "Lower the learning rate, and add a warmup at the start of training.",
+            "Check the batch of this step: unnormalised or corrupted inputs and targets cause sudden spikes.",
+            "Check the initialisation scale of the layer named (weights too large), especially in RNNs.",
+            "Add normalisation layers; for RNNs prefer LSTM/GRU and clip.",
+        ),
+    ),
+    "loss_spike": Kind(
+        "Loss spike",
+        "The loss rose far above its recent level in one step.",
+        (
+            "Inspect the batch of this step: corrupted samples, wrong labels or a scaling bug in the data pipeline.",
+            "Lower the learning rate, or add warmup if the spike comes early.",
+            "Clip gradients so one bad batch cannot move the weights far.",
+            "A spike that recurs at the same position in the data points at a specific sample.",
+        ),
+        metric="loss",
+        log=False,
+    ),
+    "dead_units": Kind(
+        "Dead units",
+        "Nearly all outputs of the layer are exactly zero, so almost nothing flows back through it.",
+        (
+            "Lower the learning rate: a large step can push ReLU inputs permanently negative.",
+            "Use LeakyReLU, GELU or ELU instead of ReLU so negative inputs still pass a gradient.",
+            "Initialise biases at zero or a small positive value instead of a large negative one.",
+            "Add normalisation before the activation to keep its inputs centred.",
+        ),
+        metric="act_zero_frac",
+        log=False,
+    ),
+    "saturation": Kind(
+        "Saturated activation",
+        "The bounded activation (sigmoid, tanh ...) is pinned at its limits, where its gradient is near zero.",
+        (
+            "Use a smaller initialisation (Xavier for tanh/sigmoid) so pre-activations start small.",
+            "Normalise before the activation (LayerNorm/BatchNorm).",
+            "Lower the learning rate.",
+            "Use a non-saturating activation (ReLU family) where the bound is not needed.",
+        ),
+        metric="act_sat_frac",
+        log=False,
+    ),
+    "update_ratio": Kind(
+        "Update-to-weight ratio",
+        "The size of the applied update relative to the weights is far from the healthy range (about 1e-3).",
+        (
+            "Too large: lower the learning rate (or this layer's parameter group's), and add warmup.",
+            "Too small: raise the learning rate, and check that the optimizer actually holds this layer's parameters.",
+            "Check weight decay and the scheduler: an LR that decays to zero freezes the layer.",
+        ),
+        metric="update_ratio",
+    ),
+    "unused_parameter": Kind(
+        "Unused parameter",
+        "Parameters that require grad received no gradient: they are not on the path to the loss.",
+        (
+            "Check that the submodule's forward is actually called in the model's forward.",
+            "Look for a .detach(), .item(), .numpy() or torch.no_grad() that cuts the graph.",
+            "A branch that is never taken leaves its parameters unused; if intended, freeze them "
+            "(requires_grad_(False)) so DDP and optimizers do not wait for them.",
+        ),
+    ),
+    "amp_overflow": Kind(
+        "AMP overflow",
+        "The GradScaler skipped steps because the scaled gradients overflowed.",
+        (
+            "A few skips while the scaler calibrates its scale are normal.",
+            "A run of skips means gradients are non-finite at any scale: look for a nonfinite finding and its origin.",
+            "Train in bf16 (wider range than fp16) if the hardware supports it.",
+            "Lower the learning rate or clip gradients (after scaler.unscale_) if the overflow follows a spike.",
+        ),
+    ),
+}
+
+#: a kind the report does not know (a third-party detector)
+UNKNOWN = Kind("Finding", "A detector reported this step.", ("Read the finding's hint.",))
+
+
+def explain(kind: str) -> Kind:
+    """The explanation of ``kind`` (a generic one for a kind this report does not know)."""
+    return KINDS.get(kind, UNKNOWN)
