@@ -11,7 +11,6 @@ import numpy as np
 import pandas as pd
 
 from gradwatch import downsample
-from gradwatch.records import LAYER
 from gradwatch.report import items as explained
 from gradwatch.report import summary
 from gradwatch.report.items import Item
@@ -105,18 +104,13 @@ class Report:
 def _stream(run: Run, metrics: list[str], first: int, last: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """Per-layer metrics as (metric, steps, rows over ``run.layers``), ``CHUNK`` steps at a time.
 
-    Reads through the store reader's block decoder (``Run._blocks``: ``Run.matrix`` has no step
-    range), so that memory stays bounded on long runs.
+    Chunked reads keep memory bounded on long runs.
     """
-    names = run.layers
-    position = {n: i for i, n in enumerate(names)}
     for start in range(first, last + 1, CHUNK):
-        for block in run._blocks(LAYER, metrics, slice(start, start + CHUNK)):
-            src = [i for i, n in enumerate(block.names) if n in position]
-            rows = np.full((len(block.steps), len(names)), np.nan, dtype=np.float32)
-            rows[:, [position[block.names[i]] for i in src]] = np.where(
-                block.present[:, src], block.values[:, src], np.float32(np.nan))
-            yield block.metric, block.steps, rows
+        for metric in metrics:
+            frame = run.matrix(metric, steps=slice(start, start + CHUNK))
+            if len(frame):
+                yield metric, frame.index.to_numpy(dtype=np.int64), frame.to_numpy(dtype=np.float32)
 
 
 class _Acc:

@@ -361,15 +361,16 @@ class Run:
         out["value"] = out["value"].astype("float64")
         return out.sort_values(["step", "metric"], kind="stable", ignore_index=True)
 
-    def matrix(self, metric: str, *, scope: str = LAYER) -> pd.DataFrame:
+    def matrix(self, metric: str, *, scope: str = LAYER, steps: slice | None = None) -> pd.DataFrame:
         """One metric as a steps x layers table (NaN where not measured), for heatmaps.
 
-        Columns follow the latest layout; layers that did not exist yet are NaN.
+        Columns follow the latest layout; layers that did not exist yet are NaN. ``steps``
+        (a ``slice(start, stop)``) reads a range, so long runs can be read a chunk at a time.
         """
         names = self._entries(self._latest_layout(), scope)
         position = {n: i for i, n in enumerate(names)}
         parts = []
-        for block in self._blocks(scope, [metric], None):
+        for block in self._blocks(scope, [metric], steps):
             data = np.full((len(block.steps), len(names)), np.nan, dtype=np.float32)
             src = [i for i, n in enumerate(block.names) if n in position]
             dst = [position[block.names[i]] for i in src]
