@@ -354,7 +354,10 @@ class Watcher:
             if entry is not None and any(id(p) not in self._index for p in held):
                 self._refresh_layout()  # parameters were added to the model and the optimizer
             entry = _OptEntry(count, [self._index[id(p)] for p in held if id(p) in self._index])
+            known = opt in self._optimizers
             self._optimizers[opt] = entry
+            if not known and entry.indices:
+                self._writer.submit_meta(optimizers=sorted({type(o).__name__ for o in self.optimizers()}))
         return entry if entry.indices else None
 
     def _refresh_layout(self) -> None:

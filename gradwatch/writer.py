@@ -20,6 +20,10 @@ _STOP = object()
 class _Findings(list):  # type: ignore[type-arg]
     """A batch of findings in the queue (copies: the training thread may update the originals)."""
 
+
+class _Meta(dict):  # type: ignore[type-arg]
+    """Run metadata to record (plain JSON-able values)."""
+
 _BATCH = 512
 
 
@@ -52,6 +56,10 @@ class Writer:
         """Queue findings (new, or written before and updated) for every sink that takes them."""
         self._queue.put(_Findings([dataclasses.replace(f, data=dict(f.data)) for f in findings]))
         self._wake.set()
+
+    def submit_meta(self, **values: object) -> None:
+        """Queue run metadata (e.g. the optimizers found) for every sink that keeps it."""
+        self._queue.put(_Meta(values))
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every record submitted before this call is written by every sink."""
@@ -89,6 +97,8 @@ class Writer:
                     batch = []
                 if isinstance(item, _Findings):
                     self._dispatch("write_findings", item)
+                elif isinstance(item, _Meta):
+                    self._dispatch("write_meta", item)
                 elif isinstance(item, threading.Event):
                     item.set()
                 elif isinstance(item, tuple) and item and item[0] is _STOP:

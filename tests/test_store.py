@@ -60,6 +60,7 @@ def test_store_is_wal_and_versioned(run_dir: Path) -> None:
     run = gw.open_run(run_dir)
     assert run.meta["schema_version"] == SCHEMA_VERSION
     assert run.meta["model"] == "Sequential"
+    assert run.meta["optimizers"] == ["SGD"], "the optimizers found stepping the model are recorded"
     assert run.status == "finished"
 
 

@@ -24,6 +24,10 @@ class Store:
         """Insert findings, or update those written before (same id), in one transaction."""
         self._writer.write_findings(findings)
 
+    def write_meta(self, values: dict[str, object]) -> None:
+        """Record run metadata (replacing earlier values of the same keys)."""
+        self._writer.set_meta(**values)
+
     def close(self, status: str) -> None:
         """Write the final status and close the database."""
         self._writer.close(status)
