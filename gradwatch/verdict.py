@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from gradwatch.files import write_text_atomic
 
 VERDICT = "verdict.json"
 
 
 def write(run_dir: Path, verdict: dict[str, Any]) -> None:
     """Write ``verdict.json`` through a temporary file and a rename (never half-written)."""
-    tmp = run_dir / f".{VERDICT}.tmp"
-    with tmp.open("w", encoding="utf-8") as fh:
-        json.dump(verdict, fh, indent=2, allow_nan=False, default=str)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, run_dir / VERDICT)
+    text = json.dumps(verdict, indent=2, allow_nan=False, default=str) + "\n"
+    write_text_atomic(run_dir / VERDICT, text, "the verdict")
 
 
 def read(run_dir: Path) -> dict[str, Any] | None:

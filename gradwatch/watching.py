@@ -21,7 +21,7 @@ from torch import nn
 from gradwatch import stats, verdict
 from gradwatch.config import Config
 from gradwatch.control import LoopControl
-from gradwatch.errors import InternalWarning, TrainingHalted
+from gradwatch.errors import GradwatchError, InternalWarning, TrainingHalted
 from gradwatch.judge import Judge
 from gradwatch.layout import discover, unwrap
 from gradwatch.measure import Measure
@@ -259,7 +259,7 @@ class Watcher:
                 "halted": self._halt,
                 "rollbacks": self.control.rollbacks,
             })
-        except OSError as exc:
+        except GradwatchError as exc:  # the run itself is intact in the store
             log.error("gradwatch: could not write the verdict of %s: %s", self.run_dir, exc)
 
     def __enter__(self) -> Watcher:

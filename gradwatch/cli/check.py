@@ -18,6 +18,7 @@ from rich.table import Table
 from gradwatch import gate
 from gradwatch.cli import USAGE_ERROR, cli
 from gradwatch.errors import GradwatchError
+from gradwatch.files import write_text_atomic
 from gradwatch.findings import KINDS, rank
 from gradwatch.store.reader import Run, open_run
 from gradwatch.store.schema import DB_NAME
@@ -193,17 +194,6 @@ def render_github(results: list[Checked]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write a file through a temporary sibling and a rename: never half-written."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise click.UsageError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-
-
 # ----------------------------------------------------------------- commands
 @cli.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=str))
@@ -230,13 +220,13 @@ def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, ru
 
             buf = StringIO()
             render_text(results, buf)
-            _write_atomic(output, buf.getvalue())
+            write_text_atomic(output, buf.getvalue(), "the check report")
     else:
         text = {"json": render_json, "junit": render_junit, "github": render_github}[fmt](results)
         if output is None:
             click.echo(text, nl=False)
         else:
-            _write_atomic(output, text)
+            write_text_atomic(output, text, "the check report")
     for res in results:
         if res.error is not None:
             click.echo(f"gradwatch: error: {res.error}", err=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
-from gradwatch.errors import GradwatchError
+from gradwatch.files import write_text_atomic
 from gradwatch.report import figures
 from gradwatch.report.data import Report, collect
 from gradwatch.report.items import MAX_CARDS, Item, card_order
@@ -101,24 +100,5 @@ def write(run: str | os.PathLike[str], output: str | os.PathLike[str] | None = N
     with open_run(run) as opened:
         target = Path(output) if output is not None else opened.path / DEFAULT_NAME
         text = html(collect(opened, str(run)))
-    _write_atomic(target, text)
+    write_text_atomic(target, text, "the report")
     return target
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and a rename: never half-written."""
-    folder = path.parent if str(path.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    except OSError as exc:
-        raise GradwatchError(f"cannot write the report to {str(path)!r}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary file would be, not mkstemp's 0600
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise GradwatchError(f"cannot write the report to {str(path)!r}: {exc.strerror or exc}") from None
