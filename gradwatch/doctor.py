@@ -48,6 +48,7 @@ from torch.autograd.gradcheck import GradcheckError
 
 from gradwatch.errors import ConfigError
 from gradwatch.layout import ROOT, bounds
+from gradwatch.origin import tensors
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 STATUSES = (PASS, WARN, FAIL)
@@ -272,22 +273,11 @@ def validate(model: object, batch: object, loss_fn: object) -> None:
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"the loss_fn is {_describe(loss_fn)}; it must be callable or None")
     validate_batch(batch)
-    if not any(True for _ in _tensors(batch)):
+    if not any(True for _ in tensors(batch)):
         raise ConfigError("the batch holds no tensor")
     if loss_fn is not None and isinstance(batch, (tuple, list)) and len(batch) != 2:
         raise ConfigError(f"with a loss_fn the batch must be a pair (inputs, targets), a tensor or a dict of inputs; "
                           f"got {_describe(batch)}")
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (tuple, list)):
-        for value in batch:
-            yield from _tensors(value)
 
 
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -659,7 +649,7 @@ class _ActivationRecorder:
 
 def _finite(value: Any) -> bool:
     """Whether every floating tensor in a (nested) tuple, list or mapping is finite."""
-    return all(bool(torch.isfinite(t).all()) for t in _tensors(value) if t.is_floating_point())
+    return all(bool(torch.isfinite(t).all()) for t in tensors(value) if t.is_floating_point())
 
 
 def _is_torch_class(cls: type) -> bool:
@@ -857,7 +847,7 @@ def _flow_sentences(findings: dict[str, Any], total: float, opts: DoctorOptions)
 def check_activations(ctx: _Context) -> CheckResult:
     """Activations at initialisation: non-finite (fail), dead ReLU units, saturated sigmoid/tanh (warn)."""
     name = "activations"
-    bad_inputs = [i for i, t in enumerate(_tensors(ctx.batch)) if t.is_floating_point() and not torch.isfinite(t).all()]
+    bad_inputs = [i for i, t in enumerate(tensors(ctx.batch)) if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad_inputs:
         return CheckResult(name, FAIL, f"the batch itself holds non-finite values (tensor #{bad_inputs[0]} in "
                            "traversal order)", HINTS["nonfinite_act"])
@@ -1051,7 +1041,7 @@ def _fast_atol(apply: Callable[..., Any], inputs: tuple[Any, ...]) -> float:
     finite differences are far more accurate than the 1e-5 left.
     """
     with torch.no_grad():
-        outputs = list(_tensors(apply(*inputs)))
+        outputs = list(tensors(apply(*inputs)))
     n_in = max((x.numel() for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad), default=1)
     n_out = max((y.numel() for y in outputs), default=1)
     return GRADCHECK_ATOL / max(1.0, 0.75 * math.sqrt(n_in * n_out))

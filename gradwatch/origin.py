@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,20 +50,21 @@ class Capture:
     grad_finite: torch.Tensor | None = None  # device flag when the gradient itself is not kept
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nest of tensors, mappings, lists and tuples (a batch, a model's output)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors(v)
 
 
 def finite(*objs: Any) -> bool:
     """Whether every floating-point tensor inside ``objs`` is finite (reads from the device)."""
-    flags = [torch.isfinite(t).all() for o in objs for t in _tensors(o) if t.is_floating_point() or t.is_complex()]
+    flags = [torch.isfinite(t).all() for o in objs for t in tensors(o) if t.is_floating_point() or t.is_complex()]
     return bool(torch.stack(flags).all()) if flags else True
 
 
