@@ -176,3 +176,87 @@ def columns(steps: Sequence[int] | np.ndarray, table: np.ndarray, max_columns: i
     reducer = Columns(bucket_starts(int(s.min()), int(s.max()), max_columns), t.shape[1], how)
     reducer.add(s, t)
     return reducer.result()
+
+
+class Envelope:
+    """The low and high of every entry (layer) per bucket of steps, for a table that keeps growing.
+
+    Buckets are ``scale`` steps wide, anchored at step 0; when a step falls past the last of the
+    ``capacity`` buckets, the scale doubles and neighbouring buckets merge, so memory stays
+    ``2 x capacity x width`` float32 whatever the number of steps. Folding a row twice changes
+    nothing (low and high are idempotent), so a reader may re-read a range it already added.
+    Non-finite values are left out; a bucket with no finite value for an entry is NaN.
+
+    Args:
+        width: entries per row (layers).
+        capacity: the most buckets kept (a power of two).
+    """
+
+    def __init__(self, width: int, capacity: int = 1024) -> None:
+        if capacity < 2 or capacity & (capacity - 1):
+            raise ValueError(f"capacity must be a power of two of at least 2, got {capacity}")
+        self.width = width
+        self.capacity = capacity
+        self.scale = 1
+        self.low = np.full((capacity, width), np.nan, dtype=np.float32)
+        self.high = np.full((capacity, width), np.nan, dtype=np.float32)
+        self.filled = np.zeros(capacity, dtype=bool)  # a step (finite or not) fell in the bucket
+        self.last = -1  # the largest step added
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the buckets."""
+        return self.low.nbytes + self.high.nbytes + self.filled.nbytes
+
+    def _grow(self, step: int) -> None:
+        while step // self.scale >= self.capacity:
+            half = self.capacity // 2
+            with np.errstate(invalid="ignore"):
+                for table, reduce in ((self.low, np.fmin), (self.high, np.fmax)):
+                    pairs = table.reshape(half, 2, self.width)
+                    table[:half] = reduce(pairs[:, 0], pairs[:, 1])
+                    table[half:] = np.nan
+            self.filled[:half] = self.filled.reshape(half, 2).any(axis=1)
+            self.filled[half:] = False
+            self.scale *= 2
+
+    def add(self, steps: np.ndarray | Sequence[int], rows: np.ndarray) -> None:
+        """Fold rows (one per step, ``width`` entries each; steps not negative) into their buckets."""
+        s = np.asarray(steps, dtype=np.int64)
+        if not len(s):
+            return
+        if s.min() < 0:
+            raise ValueError("steps must not be negative")
+        values = np.asarray(rows, dtype=np.float32)
+        if values.shape != (len(s), self.width):
+            raise ValueError(f"rows must be {len(s)} x {self.width}, got {values.shape}")
+        self._grow(int(s.max()))
+        self.last = max(self.last, int(s.max()))
+        bucket = s // self.scale
+        order = np.argsort(bucket, kind="stable")
+        bucket, values = bucket[order], values[order]
+        heads = np.flatnonzero(np.concatenate([[True], np.diff(bucket) != 0]))
+        ids = bucket[heads]
+        clean = np.where(np.isfinite(values), values, np.nan)
+        with np.errstate(invalid="ignore"):
+            self.low[ids] = np.fmin(self.low[ids], np.fmin.reduceat(clean, heads, axis=0))
+            self.high[ids] = np.fmax(self.high[ids], np.fmax.reduceat(clean, heads, axis=0))
+        self.filled[ids] = True
+
+    def view(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The buckets that hold steps in ``start..stop-1``: ``(first step of each, low, high)``.
+
+        Buckets no step fell in are left out. A bucket at either end may also hold steps just
+        outside the range (buckets are ``scale`` steps wide).
+        """
+        first = max(0, start) // self.scale
+        end = self.capacity if stop is None else min(self.capacity, max(0, stop - 1) // self.scale + 1)
+        ids = np.arange(first, max(first, end))
+        ids = ids[self.filled[ids]]
+        return ids * self.scale, self.low[ids], self.high[ids]
+
+
+def largest(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """Per cell, whichever of ``low`` and ``high`` is larger in magnitude (sign kept; NaN where both are)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isnan(high) | (np.abs(low) > np.abs(high)), low, high)

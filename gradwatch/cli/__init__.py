@@ -17,6 +17,7 @@ USAGE_ERROR = 2
 #: ``gradwatch check`` or ``ls`` does not pay for torch, which only ``doctor`` and ``demo`` need)
 COMMANDS = {
     "check": "gradwatch.cli.check",
+    "dashboard": "gradwatch.cli.dashboard",
     "demo": "gradwatch.cli.demo",
     "doctor": "gradwatch.cli.doctor",
     "ls": "gradwatch.cli.check",

@@ -20,6 +20,7 @@ from gradwatch.cli import USAGE_ERROR, cli
 from gradwatch.errors import GradwatchError
 from gradwatch.files import write_text_atomic
 from gradwatch.findings import KINDS, rank
+from gradwatch.store.listing import describe_run, find_runs
 from gradwatch.store.reader import Run, open_run
 from gradwatch.store.schema import DB_NAME
 
@@ -234,35 +235,6 @@ def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, ru
     if any(r.error is not None for r in results):
         ctx.exit(USAGE_ERROR)
     ctx.exit(1 if any(r.failing for r in results) else 0)
-
-
-def find_runs(root: Path) -> list[Path]:
-    """Run directories under ``root`` (itself included), in path order."""
-    if (root / DB_NAME).is_file():
-        return [root]
-    return sorted(p.parent for p in root.rglob(DB_NAME) if p.is_file())
-
-
-def _updated(run_dir: Path) -> float:
-    """When the run's store last changed (its WAL included)."""
-    times = [p.stat().st_mtime for p in (run_dir / DB_NAME, run_dir / f"{DB_NAME}-wal") if p.exists()]
-    return max(times, default=0.0)
-
-
-def describe_run(run_dir: Path, root: Path) -> dict[str, Any]:
-    """One row of ``gradwatch ls``: name, steps, status, verdict, counts, last update."""
-    name = str(run_dir.relative_to(root)) if run_dir != root else str(run_dir)
-    row: dict[str, Any] = {"run": name if name != "." else str(run_dir), "path": str(run_dir),
-                           "updated": _updated(run_dir)}
-    try:
-        with open_run(run_dir) as run:
-            counts = run.findings()["severity"].value_counts().to_dict()
-            worst = max(counts, key=rank, default=None)
-            row.update(steps=run.steps, status=run.status, worst=worst,
-                       findings={s: int(counts.get(s, 0)) for s in ("info", "warning", "error")})
-    except GradwatchError as exc:
-        row.update(steps=None, status="unreadable", worst=None, findings=None, error=str(exc))
-    return row
 
 
 @cli.command(name="ls")

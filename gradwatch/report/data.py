@@ -272,7 +272,7 @@ def _heat(metric: str, title: str, log: bool, acc: _Acc, names: list[str], items
             z = np.where(z > 0, np.log10(np.where(z > 0, z, 1.0)), np.nan)
     note = ""
     if len(rows) > MAX_ROWS:
-        rows, note = _select(rows, z, names, items)
+        rows, note = select_rows(rows, z, names, items)
     span = int(steps[-1] - steps[0] + 1) if len(steps) else 0
     if len(steps) >= MAX_COLUMNS * 0.9 and span > len(steps):
         note = (note + " " if note else "") + (
@@ -281,7 +281,7 @@ def _heat(metric: str, title: str, log: bool, acc: _Acc, names: list[str], items
                 z[rows].astype(np.float32), note)
 
 
-def _select(rows: np.ndarray, z: np.ndarray, names: list[str], items: list[Item]) -> tuple[np.ndarray, str]:
+def select_rows(rows: np.ndarray, z: np.ndarray, names: list[str], items: list[Item]) -> tuple[np.ndarray, str]:
     """At most MAX_ROWS layers: those with findings, the extremes, and an even sample of the rest."""
     flagged = {i.layer for i in items if i.layer is not None}
     position = {names[r]: k for k, r in enumerate(rows)}

@@ -35,15 +35,20 @@ def label(text: str) -> str:
     return html.escape(text, quote=False)
 
 
-def to_json(fig: go.Figure) -> str:
-    """A figure as JSON that is safe inside a ``<script>`` element (no ``<``, ``>`` or ``&``).
+def script_json(value: object) -> str:
+    """JSON that is safe inside a ``<script>`` element (no ``<``, ``>`` or ``&``).
 
     numpy arrays travel as plotly's base64 typed arrays; non-finite numbers become null.
     """
-    text = json.dumps(fig.to_plotly_json(), cls=PlotlyJSONEncoder, separators=(",", ":"))
+    text = json.dumps(value, cls=PlotlyJSONEncoder, separators=(",", ":"))
     for char, escaped in _UNSAFE:
         text = text.replace(char, escaped)
     return text
+
+
+def to_json(fig: go.Figure) -> str:
+    """A figure as JSON that is safe inside a ``<script>`` element."""
+    return script_json(fig.to_plotly_json())
 
 
 def _base(fig: go.Figure, height: int) -> go.Figure:

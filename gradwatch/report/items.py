@@ -89,8 +89,12 @@ def _outcome(action: str | None, outcome: Any) -> tuple[str | None, int | None]:
     return text, int(restored) if isinstance(restored, int | float) else None
 
 
-def items(run: Run, findings: pd.DataFrame, scalars: pd.DataFrame) -> list[Item]:
-    """The run's findings (``run.findings()``) ready to show; the first ``MAX_CARDS`` explained get a spark."""
+def items(run: Run, findings: pd.DataFrame, scalars: pd.DataFrame | None = None) -> list[Item]:
+    """The run's findings (``run.findings()``) ready to show.
+
+    With ``scalars`` (``run.scalars()``), the first ``MAX_CARDS`` explained also get their
+    evidence series (a spark); without, no series is read.
+    """
     out = []
     for i, row in enumerate(findings.itertuples(index=False)):
         data = row.data if isinstance(row.data, dict) else {}
@@ -110,8 +114,9 @@ def items(run: Run, findings: pd.DataFrame, scalars: pd.DataFrame) -> list[Item]
             last_step=int(data["last_step"]) if isinstance(data.get("last_step"), int | float) else None,
             outcome=outcome, evidence=evidence, related=related, restored_step=restored,
         ))
-    for item in card_order(out)[:MAX_CARDS]:
-        item.spark = spark(run, item, scalars)
+    if scalars is not None:
+        for item in card_order(out)[:MAX_CARDS]:
+            item.spark = spark(run, item, scalars)
     return out
 
 

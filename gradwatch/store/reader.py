@@ -135,6 +135,35 @@ class Run:
         """How many optimizer steps the run recorded."""
         return int(self._query("SELECT COUNT(*) FROM steps")[0][0])
 
+    def progress(self) -> dict[str, Any]:
+        """A cheap marker of how far the run has got, for live viewers (a few index lookups).
+
+        Returns ``steps`` (count), ``last_step`` (None before the first), ``row`` (the newest
+        stored vector's row id: it grows whenever vectors are written, for any step), ``findings``
+        (count) and ``status``.
+        """
+        (steps, last), = self._query("SELECT COUNT(*), MAX(step) FROM steps")
+        (row,), = self._query("SELECT MAX(rowid) FROM vectors")
+        (findings,), = self._query("SELECT COUNT(*) FROM findings")
+        return {"steps": int(steps), "last_step": None if last is None else int(last), "row": int(row or 0),
+                "findings": int(findings), "status": self.status}
+
+    def written_since(self, metric: str, row: int = 0, scope: str = LAYER) -> tuple[int, int, int] | None:
+        """Vectors of ``metric`` stored after row id ``row`` (see :meth:`progress`), for incremental readers.
+
+        Returns ``(first step, last step, newest row id)`` of those vectors, or None when there are none.
+        A vector rewritten for an earlier step (the flight recorder fills in past steps) counts as new.
+        """
+        if row > 0:
+            sql = ("SELECT MIN(step), MAX(step), MAX(rowid) FROM vectors "
+                   "WHERE rowid > ? AND scope = ? AND metric = ?")
+            args: tuple[Any, ...] = (row, scope, metric)
+        else:
+            sql = "SELECT MIN(step), MAX(step), MAX(rowid) FROM vectors WHERE scope = ? AND metric = ?"
+            args = (scope, metric)
+        (first, last, newest), = self._query(sql, args)
+        return None if first is None else (int(first), int(last), int(newest))
+
     def _latest_layout(self) -> int:
         row = self._query("SELECT MAX(layout) FROM layouts")[0][0]
         return int(row) if row is not None else 0
@@ -257,6 +286,35 @@ class Run:
         wide.columns.name = None
         wide.index = wide.index.astype("int64")
         return wide.sort_index()
+
+    def series(self, name: str, steps: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One global scalar (``grad_norm``, ``loss`` ...) as ``(steps, values)`` arrays, in step order.
+
+        The fast path for long runs (no DataFrame); a stored NaN or NULL is NaN. ``steps`` is a
+        ``slice(start, stop)`` of steps.
+        """
+        where, args = _where("name", [name], steps)
+        rows = self._query(f"SELECT step, value FROM scalars WHERE {where} ORDER BY step", args)
+        if not rows:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
+        table = np.array(rows, dtype=np.float64)  # NULL becomes NaN
+        return table[:, 0].astype(np.int64), table[:, 1]
+
+    def skipped_steps(self, steps: slice | None = None) -> np.ndarray:
+        """Steps whose update was not applied (a skip action, a rollback, a GradScaler overflow)."""
+        where, args = _where("skipped", None, steps)
+        rows = self._query(f"SELECT step FROM steps WHERE skipped = 1 AND {where} ORDER BY step", args)
+        return np.array([r[0] for r in rows], dtype=np.int64)
+
+    def measured_at(self, metric: str, at: int | None = None, scope: str = LAYER) -> int | None:
+        """The newest step at or before ``at`` (default: any) that stored ``metric``, or None."""
+        sql = "SELECT MAX(step) FROM vectors WHERE scope = ? AND metric = ?"
+        args: list[Any] = [scope, metric]
+        if at is not None:
+            sql += " AND step <= ?"
+            args.append(at)
+        (step,), = self._query(sql, args)
+        return None if step is None else int(step)
 
     def step_info(self) -> pd.DataFrame:
         """One row per step: time, logged, sampled, skipped."""

@@ -1,0 +1,362 @@
+"""Dashboard data: JSON-ready views of the runs under a root folder, each bounded in size.
+
+Every view reads the run store read-only (``Run`` opens SQLite with ``mode=ro``) and returns plain
+dicts and lists. Whatever the run's length, a curve has at most ``MAX_POINTS`` points and a
+heatmap at most ``MAX_COLUMNS`` x ``MAX_ROWS`` cells.
+
+Per-layer views over long step ranges come from :class:`Envelopes`: per (run, metric), the low
+and high of every layer in buckets of steps (:class:`gradwatch.downsample.Envelope`), kept up to
+date by reading only the vectors written since the last request. Short ranges (a zoom) are read
+from the store at full resolution.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from gradwatch import downsample
+from gradwatch.report import items as explained
+from gradwatch.report import summary as report_summary
+from gradwatch.report.data import CHUNK, HEATMAPS, MAX_COLUMNS, MAX_POINTS, MAX_ROWS, select_rows
+from gradwatch.report.remedies import explain
+from gradwatch.store.listing import describe_run, find_runs, updated
+from gradwatch.store.reader import Run, open_run
+from gradwatch.store.schema import DB_NAME
+
+#: a zoomed range is read from the store at full resolution when it spans at most this many steps
+#: and the envelope holds fewer than ``RAW_BUCKETS`` buckets of it
+RAW_STEPS = 8192
+RAW_BUCKETS = 64
+#: most findings one response lists (the most severe first)
+MAX_FINDINGS = 1000
+#: most skipped steps marked on the timeline (an even sample beyond)
+MAX_SKIPPED = 2000
+#: global curves on the run page
+CURVES = ("grad_norm", "loss", "lr")
+#: per-layer metrics: heatmap choices and the layer detail's series, with title and log scale
+METRICS = {m: (title, log) for m, title, log in HEATMAPS}
+
+
+class NotFound(Exception):
+    """No run with this name under the root (or a name that points outside it)."""
+
+
+class BadRequest(Exception):
+    """A parameter out of its range (the message says which and why)."""
+
+
+def _finite(values: np.ndarray, digits: int = 6) -> list[float | None]:
+    """Numbers for JSON: rounded to ``digits`` significant digits, NaN and infinities as null."""
+    return [float(f"{v:.{digits}g}") if math.isfinite(v) else None
+            for v in np.asarray(values, dtype=np.float64).tolist()]
+
+
+def _cells(table: np.ndarray, decimals: int) -> list[list[float | None]]:
+    """Heatmap cells for JSON: rounded to ``decimals`` places (colour needs no more), NaN as null."""
+    rounded = np.round(np.asarray(table, dtype=np.float64), decimals)
+    cells = rounded.astype(object)
+    cells[~np.isfinite(rounded)] = None
+    return cells.tolist()
+
+
+# ------------------------------------------------------------------ the runs under a root
+class Root:
+    """The folder the dashboard serves; runs are addressed by their path relative to it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+        self._rows: dict[Path, tuple[float, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, run_id: str) -> Path:
+        """The run directory named ``run_id`` (``.`` when the root is itself a run).
+
+        Raises:
+            NotFound: an empty or absolute name, one with ``..`` or a NUL, one that resolves (through
+                links too) outside the root, or a directory that holds no run.
+        """
+        if not run_id or "\x00" in run_id or "\\" in run_id:
+            raise NotFound(run_id)
+        rel = PurePosixPath(run_id)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise NotFound(run_id)
+        path = (self.root / rel).resolve()
+        if not path.is_relative_to(self.root) or not (path / DB_NAME).is_file():
+            raise NotFound(run_id)
+        return path
+
+    def run_id(self, path: Path) -> str:
+        """The name a run directory is addressed by."""
+        return path.relative_to(self.root).as_posix()
+
+    def open(self, run_id: str) -> Run:
+        """Open a run by name, read-only."""
+        return open_run(self.resolve(run_id))
+
+    def runs(self) -> list[dict[str, Any]]:
+        """One row per run (id, steps, status, findings, last update), newest update first.
+
+        A run is read again only when its store changed since the last call.
+        """
+        rows = []
+        with self._lock:
+            seen = set()
+            for path in find_runs(self.root):
+                seen.add(path)
+                stamp = updated(path)
+                cached = self._rows.get(path)
+                if cached is None or cached[0] != stamp or cached[1].get("status") == "running":
+                    row = describe_run(path, self.root)
+                    row.pop("path", None)
+                    row["id"] = self.run_id(path)
+                    row["run"] = row["id"] if row["id"] != "." else path.name
+                    self._rows[path] = cached = (stamp, row)
+                rows.append(cached[1])
+            for gone in set(self._rows) - seen:
+                del self._rows[gone]
+        return sorted(rows, key=lambda r: (-r["updated"], r["id"]))
+
+
+# ------------------------------------------------------------------ per-layer envelopes
+@dataclass
+class _Entry:
+    envelope: downsample.Envelope
+    names: list[str]
+    row: int = 0  # newest vector row folded in
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Envelopes:
+    """Per (run, metric) envelopes of every layer, shared by requests, least recently used evicted.
+
+    Args:
+        budget: bytes the envelopes may hold together.
+        capacity: buckets per envelope.
+    """
+
+    def __init__(self, budget: int = 512 * 2**20, capacity: int = 1024) -> None:
+        self.budget = budget
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[Path, str], _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, run: Run, metric: str) -> _Entry:
+        """The envelope of ``metric`` over ``run``'s layers, brought up to date with the store."""
+        key = (run.path.resolve(), metric)
+        names = run.layers
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.names != names:
+                entry = _Entry(downsample.Envelope(len(names), self.capacity), names)
+                self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while sum(e.envelope.nbytes for e in self._entries.values()) > self.budget and len(self._entries) > 1:
+                self._entries.popitem(last=False)
+        with entry.lock:
+            new = run.written_since(metric, entry.row)
+            if new is not None:
+                first, last, newest = new
+                for start in range(first, last + 1, CHUNK):
+                    frame = run.matrix(metric, steps=slice(start, min(start + CHUNK, last + 1)))
+                    if list(frame.columns) != entry.names:  # the model grew meanwhile: next request starts over
+                        entry.names = list(frame.columns)
+                        break
+                    if len(frame):
+                        entry.envelope.add(frame.index.to_numpy(dtype=np.int64), frame.to_numpy(dtype=np.float32))
+                else:
+                    entry.row = newest
+        return entry
+
+
+# ------------------------------------------------------------------ views of one run
+def _range(start: int | None, stop: int | None) -> tuple[int, int | None]:
+    lo = 0 if start is None else start
+    if lo < 0 or (stop is not None and stop <= lo):
+        raise BadRequest(f"the step range {start}..{stop} is empty or negative")
+    return lo, stop
+
+
+def progress(run: Run) -> dict[str, Any]:
+    """How far the run has got (steps, last step, findings, status): what live pages watch."""
+    return run.progress()
+
+
+def summary(run: Run, run_id: str) -> dict[str, Any]:
+    """The run's header: name, status, verdict, headline, facts and its layers in model order."""
+    meta = run.meta
+    status = run.status
+    found = run.findings()
+    counts = {s: int((found["severity"] == s).sum()) for s in ("info", "warning", "error")}
+    state = ("halted" if status == "halted" else "errors" if counts["error"] else
+             "warnings" if counts["warning"] else "healthy")
+    listed = explained.items(run, found)
+    steps_info = run.step_info()
+    lr_steps, lr = run.series("lr")
+    scalars = pd.DataFrame({"lr": lr}, index=lr_steps)
+    info = run.layer_info()
+    return {
+        "id": run_id,
+        "name": run.path.name if run_id == "." else run_id,
+        "model": meta.get("model"),
+        "status": status,
+        "state": state,
+        "counts": counts,
+        "headline": report_summary.headline(state, status, counts, listed, run.steps),
+        "facts": [[k, v] for k, v in report_summary.facts(run, meta, status, steps_info, scalars)],
+        "layers": [{"name": n, "type": t, "params": int(p)}
+                   for n, t, p in zip(info["layer"], info["type"], info["params"])],
+        "metrics": [{"metric": m, "title": t, "log": lg} for m, (t, lg) in METRICS.items()],
+        **run.progress(),
+    }
+
+
+def curves(run: Run, start: int | None = None, stop: int | None = None) -> dict[str, Any]:
+    """Global curves (gradient norm, loss, learning rate) over a step range, and the skipped steps."""
+    lo, hi = _range(start, stop)
+    steps = slice(lo, hi)
+    out: dict[str, Any] = {}
+    for name in CURVES:
+        s, v = run.series(name, steps)
+        if len(s):
+            s, v = downsample.minmax(s, v, MAX_POINTS)
+            out[name] = {"steps": s.tolist(), "values": _finite(v)}
+    skipped = run.skipped_steps(steps)
+    if len(skipped) > MAX_SKIPPED:
+        skipped = skipped[np.linspace(0, len(skipped) - 1, MAX_SKIPPED).astype(np.int64)]
+    return {"start": lo, "stop": hi, "curves": out, "skipped": skipped.tolist()}
+
+
+def findings(run: Run) -> dict[str, Any]:
+    """The findings explained (outcome, hint, remedies), most severe first, at most ``MAX_FINDINGS``."""
+    listed = explained.card_order(explained.items(run, run.findings()))
+    out = []
+    for item in listed[:MAX_FINDINGS]:
+        kind = explain(item.kind)
+        out.append({
+            "index": item.index, "step": item.step, "kind": item.kind, "title": kind.title,
+            "severity": item.severity, "layer": item.layer, "phase": item.phase, "where": item.where,
+            "message": item.message, "action": item.action, "outcome": item.outcome, "hint": item.hint,
+            "repeats": item.repeats, "last_step": item.last_step, "restored_step": item.restored_step,
+            "remedies": list(kind.remedies),
+        })
+    return {"total": len(listed), "findings": out}
+
+
+def flow(run: Run, step: int | None = None) -> dict[str, Any]:
+    """Per-layer gradient norm at ``step`` (default: the latest step) and at the first step, in model order."""
+    names = run.layers
+    last = run.progress()["last_step"]
+    if last is None:
+        return {"step": None, "first_step": None, "layers": [], "values": [], "first": []}
+    at = last if step is None else step
+    if at < 0:
+        raise BadRequest(f"step must not be negative, got {at}")
+    row = run.measured_at("grad_norm", at)  # the newest step at or before ``at`` with gradient norms
+    stored = run.written_since("grad_norm")
+    if row is None or stored is None:
+        return {"step": None, "first_step": None, "layers": names, "values": [], "first": []}
+    first = stored[0]
+    now = run.matrix("grad_norm", steps=slice(row, row + 1))
+    then = run.matrix("grad_norm", steps=slice(first, first + 1)).reindex(columns=now.columns)
+    values, before = now.to_numpy()[0], then.to_numpy()[0]
+    keep = np.isfinite(values) | np.isfinite(before)  # layers with parameters that had a gradient
+    layers = [n for n, k in zip(now.columns, keep) if k]
+    flagged = sorted({str(x) for x in run.findings()["layer"] if isinstance(x, str)} & set(layers))
+    return {"step": int(row), "first_step": int(first), "layers": layers,
+            "values": _finite(values[keep]), "first": _finite(before[keep]), "flagged": flagged}
+
+
+def _metric(metric: str) -> tuple[str, bool]:
+    if metric not in METRICS:
+        raise BadRequest(f"unknown metric {metric!r}; valid metrics are: {', '.join(METRICS)}")
+    return METRICS[metric]
+
+
+def _raw(run: Run, metric: str, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Full-resolution rows of a short range, or None when the range is long."""
+    last = run.progress()["last_step"]
+    end = (last + 1 if last is not None else lo) if hi is None else hi
+    if end - lo > RAW_STEPS:
+        return None
+    frame = run.matrix(metric, steps=slice(lo, end))
+    return frame.index.to_numpy(dtype=np.int64), frame.to_numpy(dtype=np.float32)
+
+
+def heatmap(run: Run, cache: Envelopes, metric: str, start: int | None = None,
+            stop: int | None = None) -> dict[str, Any]:
+    """Layers x steps of one metric (log10 for norms and ratios), at most ``MAX_ROWS`` x ``MAX_COLUMNS``."""
+    title, log = _metric(metric)
+    lo, hi = _range(start, stop)
+    entry = cache.get(run, metric)
+    names = entry.names
+    steps, low, high = entry.envelope.view(lo, hi)
+    raw = _raw(run, metric, lo, hi) if len(steps) < RAW_BUCKETS else None
+    exact = raw is not None
+    if raw is not None:
+        steps, table = raw
+        if list(run.layers) != names:  # the model grew: columns follow the newest layout
+            names = run.layers
+    else:
+        table = downsample.largest(low, high)
+    steps, table = downsample.columns(steps, table, MAX_COLUMNS) if len(steps) else (steps, table)
+    z = table.T
+    if log:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = np.where(z > 0, np.log10(np.where(z > 0, z, 1.0)), np.nan)
+    rows = np.flatnonzero(np.isfinite(z).any(axis=1)) if z.size else np.zeros(0, dtype=np.int64)
+    note = ""
+    if len(rows) > MAX_ROWS:
+        listed = explained.items(run, run.findings())
+        rows, note = select_rows(rows, z, names, listed)
+    width = int(steps[1] - steps[0]) if len(steps) > 1 else 1
+    if width > 1:
+        note = (note + " " if note else "") + f"Each column covers about {width:,} steps and shows its largest value."
+    return {
+        "metric": metric, "title": title, "log": log, "start": lo, "stop": hi, "exact": bool(exact),
+        "steps": steps.tolist(), "layers": [names[r] for r in rows],
+        "z": _cells(z[rows], 2 if log else 3), "note": note,
+    }
+
+
+def layer(run: Run, cache: Envelopes, name: str, start: int | None = None, stop: int | None = None) -> dict[str, Any]:
+    """One layer's series of every per-layer metric over a step range, and its findings.
+
+    Short ranges are exact (``values``); long ones give each bucket's ``low`` and ``high``.
+    """
+    lo, hi = _range(start, stop)
+    names = run.layers
+    if name not in names:
+        raise NotFound(name)
+    series: dict[str, Any] = {}
+    last = run.progress()["last_step"]
+    end = (last + 1 if last is not None else lo) if hi is None else hi
+    exact = end - lo <= RAW_STEPS
+    if exact:
+        frame = run.metrics(list(METRICS), layers=[name], steps=slice(lo, end), include_global=False)
+        for metric, group in frame.groupby("metric", sort=False):
+            s, v = downsample.minmax(group["step"].to_numpy(), group["value"].to_numpy(), MAX_POINTS)
+            series[str(metric)] = {"steps": s.tolist(), "values": _finite(v)}
+    else:
+        for metric in METRICS:
+            entry = cache.get(run, metric)
+            if name not in entry.names:
+                continue
+            steps, low, high = entry.envelope.view(lo, hi)
+            k = entry.names.index(name)
+            keep = ~(np.isnan(low[:, k]) & np.isnan(high[:, k]))
+            if keep.any():
+                series[metric] = {"steps": steps[keep].tolist(), "low": _finite(low[keep, k]),
+                                  "high": _finite(high[keep, k])}
+    found = [f for f in findings(run)["findings"] if f["layer"] == name]
+    info = run.layer_info().set_index("layer").loc[name]
+    return {"layer": name, "type": str(info["type"]), "params": int(info["params"]), "start": lo, "stop": hi,
+            "exact": exact, "series": {m: series[m] for m in METRICS if m in series},
+            "metrics": {m: {"title": t, "log": lg} for m, (t, lg) in METRICS.items()}, "findings": found}

@@ -1,0 +1,45 @@
+"""Runs under a folder: where they are and one summary row each (``gradwatch ls``, the dashboard)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gradwatch.errors import GradwatchError
+from gradwatch.findings import rank
+from gradwatch.store.reader import open_run
+from gradwatch.store.schema import DB_NAME
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Run directories under ``root`` (itself included), in path order."""
+    if (root / DB_NAME).is_file():
+        return [root]
+    return sorted(p.parent for p in root.rglob(DB_NAME) if p.is_file())
+
+
+def updated(run_dir: Path) -> float:
+    """When the run's store last changed (its WAL included)."""
+    times = []
+    for p in (run_dir / DB_NAME, run_dir / f"{DB_NAME}-wal"):
+        try:
+            times.append(p.stat().st_mtime)
+        except OSError:  # no WAL (a closed run), or removed meanwhile
+            pass
+    return max(times, default=0.0)
+
+
+def describe_run(run_dir: Path, root: Path) -> dict[str, Any]:
+    """One row of ``gradwatch ls``: name, steps, status, verdict, counts, last update."""
+    name = str(run_dir.relative_to(root)) if run_dir != root else str(run_dir)
+    row: dict[str, Any] = {"run": name if name != "." else str(run_dir), "path": str(run_dir),
+                           "updated": updated(run_dir)}
+    try:
+        with open_run(run_dir) as run:
+            counts = run.findings()["severity"].value_counts().to_dict()
+            worst = max(counts, key=rank, default=None)
+            row.update(steps=run.steps, status=run.status, worst=worst,
+                       findings={s: int(counts.get(s, 0)) for s in ("info", "warning", "error")})
+    except GradwatchError as exc:
+        row.update(steps=None, status="unreadable", worst=None, findings=None, error=str(exc))
+    return row
