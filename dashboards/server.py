@@ -120,6 +120,8 @@ class Dashboard:
         self._env = Environment(loader=PackageLoader("gradwatch.dashboards", "web"), autoescape=True,
                                 undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         self._plotly: bytes | None = None
+        #: set when the server shuts down: live streams end instead of holding the shutdown up
+        self.closing = threading.Event()
 
     # ---------------------------------------------------------------- pages
     def _page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
@@ -239,7 +241,7 @@ class Dashboard:
             sent: dict[str, str] = {}
             quiet = time.monotonic()
             yield "retry: 2000\n\n"
-            while True:
+            while not self.closing.is_set():
                 if ids:
                     updates = [await run_in_threadpool(self._progress, run_id) for run_id in ids]
                     batch = [("progress", u["id"], u) for u in updates]
@@ -254,7 +256,9 @@ class Dashboard:
                 if time.monotonic() - quiet > KEEPALIVE:
                     quiet = time.monotonic()
                     yield ": keepalive\n\n"
-                await anyio.sleep(self.poll if ids else max(self.poll, POLL_LIST))
+                wake = time.monotonic() + (self.poll if ids else max(self.poll, POLL_LIST))
+                while not self.closing.is_set() and time.monotonic() < wake:
+                    await anyio.sleep(min(0.1, self.poll))
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"cache-control": "no-store", "x-accel-buffering": "no"})
@@ -304,15 +308,29 @@ def url(host: str, port: int) -> str:
 def _server(root: str | Path, host: str, poll: float) -> Any:
     import uvicorn
 
-    config = uvicorn.Config(create_app(root, host=host, poll=poll), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=1, lifespan="off")
-    return uvicorn.Server(config)
+    app = create_app(root, host=host, poll=poll)
+    closing = app.state.dashboard.closing
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling the live streams to end when it is asked to stop."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            closing.set()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off")
+    server = Server(config)
+    server.closing = closing  # type: ignore[attr-defined]
+    return server
 
 
 def serve(root: str | Path, sock: socket.socket, *, host: str = "127.0.0.1", poll: float = POLL_RUN) -> None:
-    """Serve the dashboard on a bound socket (from :func:`bind`) until interrupted."""
+    """Serve the dashboard on a bound socket (from :func:`bind`) until interrupted (Ctrl-C ends it quietly)."""
     with sock:
-        _server(root, host, poll).run(sockets=[sock])
+        try:
+            _server(root, host, poll).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped for
+            pass
 
 
 class Running:
@@ -325,6 +343,7 @@ class Running:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving and wait for the thread to end."""
+        self._server.closing.set()
         self._server.should_exit = True
         self._thread.join(timeout)
 
