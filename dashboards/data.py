@@ -176,6 +176,41 @@ class Envelopes:
         return entry
 
 
+# ------------------------------------------------------------------ global series
+class Curves:
+    """Per (run, name) global series held in memory, extended by reading only the steps not read yet.
+
+    Args:
+        limit: series kept together (least recently used dropped).
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._series: OrderedDict[tuple[Path, Any, str], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, run: Run, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of a global scalar, up to date with the store."""
+        key = (run.path.resolve(), run.meta.get("created"), name)  # a run written again afresh is another run
+        with self._lock:
+            cached = self._series.get(key)
+        if cached is None:
+            steps, values = run.series(name)
+        else:
+            old_steps, old_values = cached
+            start = int(old_steps[-1]) if len(old_steps) else 0  # the newest step is read again: it may have changed
+            new_steps, new_values = run.series(name, slice(start, None))
+            keep = old_steps < start
+            steps = np.concatenate([old_steps[keep], new_steps])
+            values = np.concatenate([old_values[keep], new_values])
+        with self._lock:
+            self._series[key] = (steps, values)
+            self._series.move_to_end(key)
+            while len(self._series) > self.limit:
+                self._series.popitem(last=False)
+        return steps, values
+
+
 # ------------------------------------------------------------------ views of one run
 def _range(start: int | None, stop: int | None) -> tuple[int, int | None]:
     lo = 0 if start is None else start
@@ -209,7 +244,7 @@ def summary(run: Run, run_id: str) -> dict[str, Any]:
         "status": status,
         "state": state,
         "counts": counts,
-        "headline": report_summary.headline(state, status, counts, listed, run.steps),
+        "headline": report_summary.headline(state, status, counts, listed, run.steps, live=True),
         "facts": [[k, v] for k, v in report_summary.facts(run, meta, status, steps_info, scalars)],
         "layers": [{"name": n, "type": t, "params": int(p)}
                    for n, t, p in zip(info["layer"], info["type"], info["params"])],
@@ -218,13 +253,15 @@ def summary(run: Run, run_id: str) -> dict[str, Any]:
     }
 
 
-def curves(run: Run, start: int | None = None, stop: int | None = None) -> dict[str, Any]:
+def curves(run: Run, cache: Curves, start: int | None = None, stop: int | None = None) -> dict[str, Any]:
     """Global curves (gradient norm, loss, learning rate) over a step range, and the skipped steps."""
     lo, hi = _range(start, stop)
     steps = slice(lo, hi)
     out: dict[str, Any] = {}
     for name in CURVES:
-        s, v = run.series(name, steps)
+        s, v = cache.get(run, name)
+        a, b = np.searchsorted(s, lo), (len(s) if hi is None else np.searchsorted(s, hi))
+        s, v = s[a:b], v[a:b]
         if len(s):
             s, v = downsample.minmax(s, v, MAX_POINTS)
             out[name] = {"steps": s.tolist(), "values": _finite(v)}
@@ -236,9 +273,14 @@ def curves(run: Run, start: int | None = None, stop: int | None = None) -> dict[
 
 def findings(run: Run) -> dict[str, Any]:
     """The findings explained (outcome, hint, remedies), most severe first, at most ``MAX_FINDINGS``."""
-    listed = explained.card_order(explained.items(run, run.findings()))
+    listed = explained.items(run, run.findings())
+    return {"total": len(listed), "findings": _explained(listed)}
+
+
+def _explained(listed: list[explained.Item]) -> list[dict[str, Any]]:
+    """Findings for JSON, most severe first, at most ``MAX_FINDINGS``."""
     out = []
-    for item in listed[:MAX_FINDINGS]:
+    for item in explained.card_order(listed)[:MAX_FINDINGS]:
         kind = explain(item.kind)
         out.append({
             "index": item.index, "step": item.step, "kind": item.kind, "title": kind.title,
@@ -247,7 +289,7 @@ def findings(run: Run) -> dict[str, Any]:
             "repeats": item.repeats, "last_step": item.last_step, "restored_step": item.restored_step,
             "remedies": list(kind.remedies),
         })
-    return {"total": len(listed), "findings": out}
+    return out
 
 
 def flow(run: Run, step: int | None = None) -> dict[str, Any]:
@@ -355,7 +397,7 @@ def layer(run: Run, cache: Envelopes, name: str, start: int | None = None, stop:
             if keep.any():
                 series[metric] = {"steps": steps[keep].tolist(), "low": _finite(low[keep, k]),
                                   "high": _finite(high[keep, k])}
-    found = [f for f in findings(run)["findings"] if f["layer"] == name]
+    found = _explained([i for i in explained.items(run, run.findings()) if i.layer == name])
     info = run.layer_info().set_index("layer").loc[name]
     return {"layer": name, "type": str(info["type"]), "params": int(info["params"]), "start": lo, "stop": hi,
             "exact": exact, "series": {m: series[m] for m in METRICS if m in series},

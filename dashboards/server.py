@@ -115,6 +115,7 @@ class Dashboard:
     def __init__(self, root: Path, *, poll: float = POLL_RUN) -> None:
         self.root = data.Root(root)
         self.envelopes = data.Envelopes()
+        self.curves = data.Curves()
         self.poll = poll
         self.started = time.time()
         self._env = Environment(loader=PackageLoader("gradwatch.dashboards", "web"), autoescape=True,
@@ -201,7 +202,7 @@ class Dashboard:
         rn = self._with_run
         api = {
             "summary": rn(lambda run, rid, q: data.summary(run, rid)),
-            "curves": rn(lambda run, rid, q: data.curves(run, _int(q, "start"), _int(q, "stop"))),
+            "curves": rn(lambda run, rid, q: data.curves(run, self.curves, _int(q, "start"), _int(q, "stop"))),
             "findings": rn(lambda run, rid, q: data.findings(run)),
             "flow": rn(lambda run, rid, q: data.flow(run, _int(q, "step"))),
             "heatmap": rn(lambda run, rid, q: data.heatmap(
@@ -274,7 +275,7 @@ def create_app(root: str | Path, *, host: str = "127.0.0.1", poll: float = POLL_
         poll: seconds between two looks at the store for a live page.
     """
     dashboard = Dashboard(Path(root), poll=poll)
-    middleware = [Middleware(_SecurityHeaders), Middleware(GZipMiddleware, minimum_size=1024)]
+    middleware = [Middleware(_SecurityHeaders), Middleware(GZipMiddleware, minimum_size=1024, compresslevel=5)]
     if host in LOOPBACK:
         middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "[::1]"]))
     app = Starlette(routes=dashboard.routes(), middleware=middleware)

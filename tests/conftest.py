@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -54,3 +55,25 @@ def train(
             gw.watcher(model).observe(loss=loss)
         opt.step()
     return opt
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def browser():  # type: ignore[no-untyped-def]
+    required = os.environ.get("GRADWATCH_REQUIRE_BROWSER") == "1"
+    if not Path(CHROMIUM).exists():
+        if required:
+            pytest.fail(f"{CHROMIUM} is missing and GRADWATCH_REQUIRE_BROWSER=1: the browser test must run")
+        pytest.skip(f"no Chromium at {CHROMIUM}: install Debian's chromium to run the browser tests")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        if required:
+            pytest.fail("playwright is not installed and GRADWATCH_REQUIRE_BROWSER=1: pip install -e '.[test]'")
+        pytest.skip("playwright is not installed: pip install -e '.[test]' to run the browser tests")
+    with sync_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox"])
+        yield chromium
+        chromium.close()

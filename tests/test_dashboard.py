@@ -179,16 +179,21 @@ def test_envelopes_follow_a_growing_run(tmp_path: Path) -> None:
     model = gw.watch(make_model(), run=path, console=False, tensorboard=False)
     loop(model, 20)
     gw.watcher(model).flush()
-    cache = data.Envelopes(capacity=8)
+    cache, curves = data.Envelopes(capacity=8), data.Curves()
     with gw.open_run(path) as run:
         first = cache.get(run, "grad_norm")
         assert first.envelope.last == run.progress()["last_step"] >= 18
+        assert curves.get(run, "loss")[0].tolist() == run.series("loss")[0].tolist()
     loop(model, 30)  # 30 more steps: the envelope must double its buckets twice
     gw.unwatch(model)
     with gw.open_run(path) as run:
         entry = cache.get(run, "grad_norm")
         steps, low, high = entry.envelope.view()
         matrix = run.matrix("grad_norm")
+        for name in ("loss", "grad_norm"):  # the series grown piecewise is the series read whole
+            grown, whole = curves.get(run, name), run.series(name)
+            assert grown[0].tolist() == whole[0].tolist() == list(range(50))
+            np.testing.assert_array_equal(grown[1], whole[1])
     assert entry is first and entry.envelope.last == 49 and entry.envelope.scale == 8
     expected = downsample.Envelope(len(matrix.columns), 8)
     expected.add(matrix.index.to_numpy(), matrix.to_numpy())

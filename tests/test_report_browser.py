@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -14,25 +13,6 @@ from tests.test_report import BIG_STEP, NAN_STEP, XSS_RUN, store_findings, train
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT = Path("/tmp/gradwatch-report.png")
-
-
-@pytest.fixture(scope="module")
-def browser():  # type: ignore[no-untyped-def]
-    required = os.environ.get("GRADWATCH_REQUIRE_BROWSER") == "1"
-    if not Path(CHROMIUM).exists():
-        if required:
-            pytest.fail(f"{CHROMIUM} is missing and GRADWATCH_REQUIRE_BROWSER=1: the browser test must run")
-        pytest.skip(f"no Chromium at {CHROMIUM}: install Debian's chromium to run the report's browser test")
-    try:
-        from playwright import sync_api
-    except ImportError:
-        if required:
-            pytest.fail("playwright is not installed and GRADWATCH_REQUIRE_BROWSER=1: pip install -e '.[test]'")
-        pytest.skip("playwright is not installed: pip install -e '.[test]' to run the report's browser test")
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox"])
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture(scope="module")

@@ -65,8 +65,12 @@ def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'s' * (n != 1)}"
 
 
-def headline(state: str, status: str, counts: dict[str, int], items: list[Item], steps: int) -> str:
-    """One or two sentences: what happened to the run, and where to look first."""
+def headline(state: str, status: str, counts: dict[str, int], items: list[Item], steps: int,
+             live: bool = False) -> str:
+    """One or two sentences: what happened to the run, and where to look first.
+
+    ``live``: for a page that follows the run as it trains (no "snapshot" caveat, no step count).
+    """
     if state == "halted":
         halt = next((i for i in items if i.action == "halt"), None)
         where = f" at step {halt.step}: {halt.kind} in {halt.where}" if halt else ""
@@ -79,11 +83,13 @@ def headline(state: str, status: str, counts: dict[str, int], items: list[Item],
     elif state == "warnings":
         kinds = sorted({i.kind for i in items if i.severity == "warning"})
         head = f"{_plural(counts['warning'], 'warning')} ({', '.join(kinds)}), no errors."
+    elif live and status == "running":
+        head = "No warnings or errors so far."
     else:
         head = f"No warnings or errors in {_plural(steps, 'step')}."
     if state in ("errors", "halted") and counts["warning"]:
         head += f" Also {_plural(counts['warning'], 'warning')}."
-    if status == "running":
+    if status == "running" and not live:
         head += " The run is still being written: this report is a snapshot."
     elif status == "crashed":
         head += " The training process died before closing the run."
