@@ -28,6 +28,7 @@ def test_demo_trains_writes_a_run_and_summarises_it(tmp_path: Path) -> None:
     assert "tensorboard --logdir" in out
     report = tmp_path / "demo" / "report.html"
     assert f"Report:       {report}" in out
+    assert f"Dashboard:    gradwatch dashboard {tmp_path}  (then open http://127.0.0.1:6007/)" in out
     assert report.is_file() and 'data-state="' in report.read_text(encoding="utf-8")
     assert not [p.name for p in report.parent.iterdir() if p.name.endswith(".tmp")]
 

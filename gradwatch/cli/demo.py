@@ -33,6 +33,8 @@ def demo(run_dir: Path, steps: int) -> None:
 
     report = write(path)
     console.print(f"\nReport:       {escape(str(report))}  (open it in a browser)", soft_wrap=True)
+    console.print(f"Dashboard:    gradwatch dashboard {escape(str(path.parent))}  (then open http://127.0.0.1:6007/)",
+                  soft_wrap=True)
     console.print(f"TensorBoard:  tensorboard --logdir {path.parent}")
     console.print(f"In Python:    gw.open_run({str(path)!r}).metrics()")
 
