@@ -340,8 +340,8 @@ def heatmap(run: Run, cache: Envelopes, metric: str, start: int | None = None,
     entry = cache.get(run, metric)
     names = entry.names
     steps, low, high = entry.envelope.view(lo, hi)
-    raw = _raw(run, metric, lo, hi) if len(steps) < RAW_BUCKETS else None
-    exact = raw is not None
+    raw = _raw(run, metric, lo, hi) if len(steps) < RAW_BUCKETS and entry.envelope.scale > 1 else None
+    exact = raw is not None or entry.envelope.scale == 1  # buckets of one step hold the values themselves
     if raw is not None:
         steps, table = raw
         if list(run.layers) != names:  # the model grew: columns follow the newest layout
