@@ -6,7 +6,9 @@
   parameter whose ``.grad`` is None untouched: no update, no state change, no weight decay) and
   gives it back in their step post-hook, so the step changes nothing;
 - rollback restores a snapshot, then skips the step the same way;
-- halt raises ``gw.TrainingHalted`` out of ``optimizer.step()`` after the run is closed.
+- halt raises ``gw.TrainingHalted`` out of ``optimizer.step()`` after the run is closed; under a
+  framework integration the watcher catches it, the model's optimizers are :meth:`LoopControl.withhold`-en
+  for their next step, and the framework stops its own loop.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from gradwatch import snapshots
 from gradwatch.errors import RunError, TrainingHalted
@@ -190,6 +193,43 @@ class LoopControl:
         for p, grad in self._held.pop(id(opt), []):
             p.grad = grad
 
+    def withhold(self, current: torch.optim.Optimizer) -> None:
+        """After a halt that does not raise: no optimizer of the model applies its next step.
+
+        ``current`` is about to step: its gradients are taken away now; the model's other
+        optimizers lose theirs when they next step. Each gets them back when that step ends,
+        through one-shot hooks of its own (the watcher's hooks are gone once the run is closed).
+        """
+        others = [o for o in self._watcher.optimizers() if o is not current]
+        _withhold_once(current, now=True)
+        for opt in others:
+            _withhold_once(opt, now=False)
+
     def healthy(self) -> None:
         """The step was applied normally."""
         self.consecutive_skips = 0
+
+
+def _withhold_once(opt: torch.optim.Optimizer, *, now: bool) -> None:
+    """Make ``opt``'s next step change nothing: its parameters have no gradient during it."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    held: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    handles: list[RemovableHandle] = []
+
+    def take(*_: Any) -> None:
+        held.extend((p, p.grad) for p in params)
+        for p in params:
+            p.grad = None
+
+    def give_back(*_: Any) -> None:
+        for p, grad in held:
+            p.grad = grad
+        held.clear()
+        for handle in handles:
+            handle.remove()
+
+    handles.append(opt.register_step_post_hook(give_back))
+    if now:
+        take()
+    else:
+        handles.append(opt.register_step_pre_hook(take))

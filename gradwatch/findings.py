@@ -19,6 +19,7 @@ KINDS = (
     "update_ratio",
     "unused_parameter",
     "amp_overflow",
+    "replica_divergence",
 )
 
 

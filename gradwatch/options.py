@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib.util
 import math
 import os
 from collections.abc import Mapping
@@ -40,6 +42,13 @@ class Options:
         snapshot_every: healthy steps between rollback snapshots (taken only when a rule rolls back).
         snapshot_keep: rollback snapshots kept.
         snapshot_dir: keep snapshots on disk in this directory instead of in memory.
+        replica_check_every: in a multi-process run, compare the model replicas across ranks every
+            this many steps (0: never).
+        replica_tolerance: the relative difference of a parameter's norm or sum across ranks
+            beyond which replicas count as diverged.
+        prometheus: export metrics for Prometheus (needs ``prometheus_client``): None/False
+            (off), True (port 9108), a port number, or a mapping with ``port``, ``addr``,
+            ``per_layer``, ``max_layers`` and ``registry``; see :func:`prometheus_settings`.
     """
 
     log_every: int = 1
@@ -57,6 +66,9 @@ class Options:
     snapshot_every: int = 100
     snapshot_keep: int = 2
     snapshot_dir: str | None = None
+    replica_check_every: int = 100
+    replica_tolerance: float = 1e-5
+    prometheus: Any = None
 
     @property
     def sample_period(self) -> int:
@@ -109,13 +121,86 @@ class Options:
         if (not isinstance(self.flush_seconds, (int, float)) or isinstance(self.flush_seconds, bool)
                 or not 0 < self.flush_seconds < math.inf):
             raise ConfigError(f"option flush_seconds must be a finite positive number, got {self.flush_seconds!r}")
+        prometheus_settings(self.prometheus)
+        every = self.replica_check_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"option replica_check_every must be a non-negative integer (0: never), got {every!r}")
+        tol = self.replica_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < math.inf:
+            raise ConfigError(f"option replica_tolerance must be a finite number >= 0, got {tol!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The options as plain data, as stored in the run's metadata."""
-        data = dataclasses.asdict(self)
+        data = {f.name: copy.deepcopy(getattr(self, f.name))
+                for f in dataclasses.fields(self) if f.name != "prometheus"}
         data["sample_every"] = self.sample_period
         data["snapshot_dir"] = None if self.snapshot_dir is None else str(self.snapshot_dir)
+        settings = prometheus_settings(self.prometheus)
+        if settings is not None and settings["registry"] is not None:
+            settings["registry"] = type(settings["registry"]).__name__  # an object, not data: its kind only
+        data["prometheus"] = settings
         return data
+
+
+#: the port the Prometheus exporter listens on by default (``prometheus=True``)
+PROMETHEUS_PORT = 9108
+#: the address it binds by default: this machine only
+PROMETHEUS_ADDR = "127.0.0.1"
+#: the most layers exported with ``per_layer=True`` unless ``max_layers`` says otherwise
+PROMETHEUS_MAX_LAYERS = 64
+_PROMETHEUS_KEYS = ("port", "addr", "per_layer", "max_layers", "registry")
+PROMETHEUS_INSTALL = "pip install 'gradwatch[prometheus]'"
+
+
+def prometheus_settings(value: Any) -> dict[str, Any] | None:
+    """The ``prometheus`` option resolved to ``{port, addr, per_layer, max_layers, registry}``, or None (off).
+
+    ``True`` serves on :data:`PROMETHEUS_PORT`; an int is the port (0 picks a free one); a mapping
+    may set any of the keys. With a ``registry`` (a ``prometheus_client`` registry of your own)
+    and no ``port``, the metrics are registered there and no server is started.
+
+    Raises:
+        ConfigError: a wrong type or value, an unknown key, or ``prometheus_client`` is not installed.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        settings: dict[str, Any] = {}
+    elif isinstance(value, int) and not isinstance(value, bool):
+        settings = {"port": value}
+    elif isinstance(value, Mapping):
+        settings = dict(value)
+        unknown = sorted(str(k) for k in settings if k not in _PROMETHEUS_KEYS)
+        if unknown:
+            raise ConfigError(f"option prometheus: unknown key {unknown[0]!r}; valid keys are: "
+                              + ", ".join(_PROMETHEUS_KEYS))
+    else:
+        raise ConfigError(
+            f"option prometheus must be True, a port number or a mapping such as "
+            f"{{'port': {PROMETHEUS_PORT}, 'addr': '{PROMETHEUS_ADDR}', 'per_layer': False}}, got {value!r}"
+        )
+    registry = settings.get("registry")
+    port = settings.get("port", None if registry is not None else PROMETHEUS_PORT)
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ConfigError(f"option prometheus: port must be an integer from 0 to 65535 (0 picks a free port), "
+                          f"got {port!r}")
+    addr = settings.get("addr", PROMETHEUS_ADDR)
+    if not isinstance(addr, str) or not addr:
+        raise ConfigError(f"option prometheus: addr must be a host name or IP address such as "
+                          f"'{PROMETHEUS_ADDR}', got {addr!r}")
+    per_layer = settings.get("per_layer", False)
+    if not isinstance(per_layer, bool):
+        raise ConfigError(f"option prometheus: per_layer must be True or False, got {per_layer!r}")
+    max_layers = settings.get("max_layers", PROMETHEUS_MAX_LAYERS)
+    if isinstance(max_layers, bool) or not isinstance(max_layers, int) or max_layers < 1:
+        raise ConfigError(f"option prometheus: max_layers must be a positive integer, got {max_layers!r}")
+    if registry is not None and not (callable(getattr(registry, "register", None))
+                                     and callable(getattr(registry, "collect", None))):
+        raise ConfigError(
+            f"option prometheus: registry must be a prometheus_client CollectorRegistry, got {registry!r}")
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError(f"option prometheus needs the prometheus_client package: {PROMETHEUS_INSTALL}")
+    return {"port": port, "addr": addr, "per_layer": per_layer, "max_layers": max_layers, "registry": registry}
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -68,6 +68,15 @@ def finite(*objs: Any) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
+def _collective(model: nn.Module) -> bool:
+    """Whether the model's forward pass talks to other ranks (a replay on one rank would hang)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+
+
 class Tracker:
     """Keeps what a replay of the current step needs, and replays it on demand."""
 
@@ -116,6 +125,9 @@ class Tracker:
         model = self._model()
         if model is None or not self.captures:
             return None
+        if _collective(model):  # replaying on this rank alone would wait forever for the others
+            return {"how": "attributed", "note": "the step was not replayed: the model synchronises across ranks "
+                                                 "in its forward pass (SyncBatchNorm)"}
         saved_rng = self._rng()
         with torch.no_grad():
             buffers = [(b, b.detach().clone()) for b in model.buffers()]

@@ -13,6 +13,10 @@ GRAD_METRICS = ("grad_norm", "grad_max", "grad_nonfinite", "param_norm", "update
 ACT_METRICS = ("act_norm", "act_zero_frac", "act_sat_frac")
 #: metrics measured on every step; the others only on sampled steps
 EVERY_STEP_METRICS = ("grad_norm", "grad_nonfinite")
+#: observed scalar: the global gradient norm before a framework's (or the user's) own clipping,
+#: when gradients are measured after it (the HF Trainer's ``max_grad_norm``); the ``exploding``
+#: detector judges it instead of the clipped ``grad_norm``
+PRECLIP = "grad_norm_preclip"
 
 LAYER = "layer"
 PARAM = "param"

@@ -99,6 +99,15 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
     return model
 
 
+def check_settings(*, rules: Any = "default", log_every: int | None = None, **options: Any) -> None:
+    """Check :func:`watch`'s settings without watching anything (framework callbacks do, when built).
+
+    Raises:
+        ConfigError: a rule or an option is invalid, with the same message :func:`watch` gives.
+    """
+    _options(resolve(rules), {**options, **({"log_every": log_every} if log_every is not None else {})})
+
+
 def _options(config: Config, explicit: dict[str, Any]) -> Options:
     """Options from the config file, overridden by the keyword arguments given to watch."""
     if config.options:

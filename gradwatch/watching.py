@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -35,6 +36,17 @@ from gradwatch.store.writer import create_store, default_meta
 from gradwatch.writer import Writer
 
 log = logging.getLogger("gradwatch")
+
+
+def _distributed_group(options: Options) -> Any:
+    """The process group this process trains in with others, as gradwatch uses it; None if alone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    from gradwatch.integrations.distributed import Group
+
+    return Group(options.replica_check_every, options.replica_tolerance)
 
 
 def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
@@ -99,12 +111,29 @@ class Watcher:
             "options": options.to_dict(),
             "rules": config.describe(),
         }
-        db = create_store(run_dir, meta, overwrite=options.overwrite)
-        sinks: list[Any] = [Store(db)]
-        if options.tensorboard:
-            from gradwatch.sinks.tensorboard import TensorBoard
+        self._group = _distributed_group(options)  # None unless one of several ranks of a process group
+        self.writes = self._group is None or self._group.writes
+        sinks: list[Any] = []
+        if not self.writes:  # the other ranks measure and judge alike; rank 0 writes the run and prints
+            options = self.options = dataclasses.replace(options, console=False, tensorboard=False, prometheus=None)
+        if options.prometheus is not None and options.prometheus is not False:
+            from gradwatch.integrations.prometheus import sink_for
 
-            sinks.append(TensorBoard(run_dir))
+            # binds the port first: a port in use fails gw.watch with a clear error and no run written
+            sinks.append(sink_for(options.prometheus, run=run_dir.name, model=meta["model"]))
+        try:
+            if self.writes:
+                if self._group is not None:
+                    meta["world_size"] = self._group.size
+                sinks.insert(0, Store(create_store(run_dir, meta, overwrite=options.overwrite)))
+            if options.tensorboard:
+                from gradwatch.sinks.tensorboard import TensorBoard
+
+                sinks.append(TensorBoard(run_dir))
+        except BaseException:
+            for sink in sinks:
+                sink.close("crashed")
+            raise
         self._writer = Writer(
             sinks, queue_size=options.queue_size, flush_seconds=options.flush_seconds, name=run_dir.name
         )
@@ -119,6 +148,12 @@ class Watcher:
             self.snapshots = Snapshots(options.snapshot_keep, where)
         self._since_snapshot = 0
         self._halt: dict[str, Any] | None = None
+        #: set by a framework integration, see :meth:`integrate`
+        self._on_halt: Callable[[TrainingHalted], None] | None = None
+        self._before_step: Callable[[], None] | None = None
+        self._signalled = False
+        self._leave_out = False  # the coming step is left out (a rollback's skip_batches)
+        self._latest: dict[str, float] = {}
         self._current: StepRecord | None = None  # the step being judged
         self._observed: dict[str, list[Any]] = {}
         self._open: _Open | None = None
@@ -197,6 +232,81 @@ class Watcher:
         """Counts of findings so far by severity, and the worst severity seen."""
         return self.judge.summary()
 
+    @property
+    def latest(self) -> dict[str, float]:
+        """The global scalars of the latest step (``grad_norm``, ``loss``, ``lr`` ...), as host numbers.
+
+        Taken from the step's single host read (reading them costs nothing); empty before the
+        first step. ``grad_norm`` is missing on a step whose gradients were not measured.
+        """
+        return dict(self._latest)
+
+    # ------------------------------------------------------ integration API
+    def integrate(
+        self,
+        *,
+        on_halt: Callable[[TrainingHalted], None],
+        signalled: bool = False,
+        before_step: Callable[[], None] | None = None,
+    ) -> None:
+        """Adapt the watcher to a framework that owns the training loop (Lightning, HF Trainer).
+
+        Used by ``gradwatch.integrations``; a plain loop never needs it.
+
+        Args:
+            on_halt: called with the :class:`~gradwatch.TrainingHalted` of a halting rule
+                instead of raising it out of ``optimizer.step()``, so that the framework stops
+                its own loop. The run is closed before the call, and the model's optimizers
+                apply nothing at their next step (each gets its gradients back when that
+                step ends), so the halted step changes nothing, as in a plain loop.
+            signalled: the framework says when gradients are final by calling
+                :meth:`gradients_ready`; the optimizer step pre-hooks are then ignored (the
+                post-hooks still end each step). For frameworks that call
+                ``optimizer.step(closure)``: the pre-hook runs before the closure's backward.
+            before_step: called at each step moment before the step is measured, to
+                :meth:`observe` values that belong to it or :meth:`leave_out` the step.
+        """
+        self._on_halt = on_halt
+        self._signalled = signalled
+        self._before_step = before_step
+
+    def gradients_ready(self, optimizer: torch.optim.Optimizer, *, scaled: bool = False) -> None:
+        """The gradients ``optimizer`` is about to apply are final: measure, judge and act now.
+
+        For an integration in signalled mode (:meth:`integrate`). Actions act as in a plain
+        loop: clip scales the gradients in place; skip and rollback take them away until
+        ``optimizer``'s step ends, so that step changes nothing.
+
+        Args:
+            optimizer: the optimizer about to step (the torch optimizer, not a wrapper).
+            scaled: a GradScaler steps this optimizer and has unscaled its gradients: non-finite
+                gradients are an overflow that the scaler skips (recorded as a skipped step and
+                an ``amp_overflow`` finding), not a model failure.
+
+        Raises:
+            RuntimeError: the watcher is not in signalled mode.
+        """
+        if not self._signalled:
+            raise RuntimeError("gradients_ready() is for integrations that signal the step moment; "
+                               "call watcher.integrate(on_halt=..., signalled=True) first")
+        self._signalled_step(optimizer, scaled)
+
+    def leave_out(self) -> bool:
+        """Leave the coming step out if a rollback asked to skip batches (:attr:`pending_skips`).
+
+        For integrations, whose frameworks cannot drop a batch from a callback: the step of
+        the batch runs but applies nothing, and it is recorded as skipped without being judged.
+        Call before the step moment (e.g. from ``before_step``).
+
+        Returns:
+            whether the coming step is left out (one pending skip fewer).
+        """
+        if self.control.pending_skips <= 0:
+            return False
+        self.control.pending_skips -= 1
+        self._leave_out = True
+        return True
+
     # ---------------------------------------------------- used by the control
     def model(self) -> nn.Module:
         """The watched model (the user's module inside any compile/DDP wrapper)."""
@@ -248,7 +358,17 @@ class Watcher:
 
             registry.forget(self)
 
+    def _owners(self) -> list[str | None]:
+        """The layer each parameter belongs to, in parameter order."""
+        layout = self._found.layout
+        owners: list[str | None] = [None] * len(layout.params)
+        for layer, param in layout.owners:
+            owners[param] = layout.layers[layer]
+        return owners
+
     def _write_verdict(self, status: str) -> None:
+        if not self.writes:
+            return
         summary = self.judge.summary()
         try:
             verdict.write(self.run_dir, {
@@ -381,12 +501,32 @@ class Watcher:
 
     @_guarded
     def _step_pre(self, opt: torch.optim.Optimizer) -> None:
+        if not self._signalled:
+            self._step_at(opt, False)
+
+    @_guarded
+    def _signalled_step(self, opt: torch.optim.Optimizer, scaled: bool) -> None:
+        self._step_at(opt, scaled)
+
+    def _step_at(self, opt: torch.optim.Optimizer, scaled: bool) -> None:
+        """The gradients ``opt`` is about to apply are final (its pre-hook, or an integration's signal)."""
         if self.closed or self._entry(opt) is None:
             return
         if self._open is not None and id(opt) in self._open.optimizers:
             self._close_step()  # the same optimizer steps again: a new iteration without a forward
         if self._open is None:
-            self._open = self._begin_step(opt)
+            if self._before_step is not None:
+                self._before_step()
+            try:
+                self._open = self._left_out_step(opt) if self._leave_out else self._begin_step(opt, scaled)
+            except TrainingHalted as halt:
+                if self._on_halt is None:
+                    raise
+                self.control.withhold(opt)
+                self._on_halt(halt)
+                return
+            if self._open is None:  # a GradScaler overflow: the scaler will not step
+                return
         self._open.optimizers.add(id(opt))
         if self._open.skip:
             entry = self._entry(opt)
@@ -427,7 +567,8 @@ class Watcher:
             out[name] = sum(nums) / len(nums)
         return out
 
-    def _begin_step(self, opt: torch.optim.Optimizer) -> _Open:
+    def _begin_step(self, opt: torch.optim.Optimizer, scaled: bool = False) -> _Open | None:
+        """Measure and judge a step; None when it is a GradScaler overflow (``scaled``) the scaler skips."""
         step, now = self.step, time.time()
         self.step += 1
         self._backward = None
@@ -458,6 +599,12 @@ class Watcher:
         gnorm = host[:len(launched.gidx)]
         nonfinite = not np.isfinite(gnorm).all()
         total = float(np.sqrt(np.sum(gnorm**2))) if len(gnorm) else math.nan
+        if scaled and nonfinite:  # unscaled gradients with inf/NaN: the scaler skips this step
+            if self._tracker is not None:
+                self._tracker.clear()
+            self._finish_skipped(StepRecord(step=step, time=now, layout=self._found.layout, scalars=scalars,
+                                            skipped=True, logged=self._logged(step)))
+            return None
         record = StepRecord(
             step=step,
             time=now,
@@ -472,6 +619,7 @@ class Watcher:
 
     def _judge_step(self, record: StepRecord, launched: Any, nonfinite: bool) -> _Open:
         """Find what is wrong with the step and act on it before the optimizer applies it."""
+        self._latest = record.scalars
         loss = record.scalars.get("loss")
         loss_finite = loss is None or math.isfinite(loss)
         if self._tracker is not None:
@@ -484,6 +632,10 @@ class Watcher:
             self._tracker.clear()
         self.control.begin(record.step, launched.grads, record.scalars["grad_norm"])
         findings = self.judge.check(record)
+        if self._group is not None:  # every rank judges the same findings: the same action everywhere
+            if self._group.due(record.step):
+                findings += self._group.check_replicas(record.step, self._found.params, self._owners())
+            findings = self._group.share(findings)
         self._current = record
         try:
             self.judge.step(record, findings, self.control)  # may raise TrainingHalted
@@ -544,6 +696,28 @@ class Watcher:
         """Record an iteration whose gradients were dropped without an optimizer step."""
         step = self.step
         self.step += 1
+        self._finish_skipped(self._unmeasured(step, observed))
+
+    def _left_out_step(self, opt: torch.optim.Optimizer) -> _Open:
+        """A step an integration leaves out (:meth:`leave_out`): not measured nor judged, not applied."""
+        self._leave_out = False
+        step = self.step
+        self.step += 1
+        self._backward = None
+        self._merge_carry()
+        self._probe.take_activations()
+        observed, self._observed = self._observed, {}
+        lr = opt.param_groups[0].get("lr")
+        if "lr" not in observed and isinstance(lr, (numbers.Real, torch.Tensor)):
+            observed["lr"] = [lr]
+        record = self._unmeasured(step, observed)
+        if not self._sampled(self.step):
+            self._probe.detach_activations()
+        self._latest = record.scalars
+        return _Open(record, skip=True)
+
+    def _unmeasured(self, step: int, observed: dict[str, list[Any]]) -> StepRecord:
+        """The record of a step whose gradients are not measured: its observed scalars only."""
         obs_parts = self._tensor_parts(observed)
         pending = self._pending.update_parts if self._pending is not None else []
         host = stats.to_host([*obs_parts, *pending])
@@ -554,6 +728,11 @@ class Watcher:
                             skipped=True, logged=self._logged(step))
         if self._tracker is not None:
             self._tracker.clear()
+        return record
+
+    def _finish_skipped(self, record: StepRecord) -> None:
+        """Judge and write a step whose update a GradScaler dropped (findings act at the next step)."""
+        self._latest = record.scalars
         findings = self.judge.check(record)
         self._submit(record)
         if findings:

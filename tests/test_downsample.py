@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gradwatch import downsample
 from gradwatch.downsample import Columns, bucket_starts, columns, minmax
 
 
@@ -130,3 +135,52 @@ def test_streaming_in_chunks_equals_all_at_once() -> None:
     np.testing.assert_array_equal(streamed[0], whole[0])
     np.testing.assert_array_equal(streamed[1], whole[1])
     assert len(streamed[0]) <= 300
+
+
+# ------------------------------------------------------------------ Envelope
+def brute_envelope(steps: np.ndarray, rows: np.ndarray, scale: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    out = {}
+    clean = np.where(np.isfinite(rows), rows, np.nan)
+    for b in np.unique(steps // scale):
+        part = clean[steps // scale == b]
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out[int(b) * scale] = (np.nanmin(part, axis=0), np.nanmax(part, axis=0))
+    return out
+
+
+@given(st.integers(1, 700), st.integers(1, 5), st.sampled_from([2, 4, 16]), st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_envelope_grown_in_chunks_equals_the_whole_table(n: int, width: int, capacity: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    steps = np.sort(rng.choice(n * 2, size=n, replace=False)).astype(np.int64)
+    rows = rng.normal(size=(n, width)).astype(np.float32)
+    rows[rng.random((n, width)) < 0.05] = np.nan
+    rows[rng.random((n, width)) < 0.02] = np.inf
+    env = downsample.Envelope(width, capacity)
+    cuts = sorted({*rng.choice(np.arange(1, n + 1), size=min(3, n), replace=False).tolist(), n})
+    start = 0
+    for cut in cuts:  # in chunks, one of them twice (idempotent)
+        env.add(steps[start:cut], rows[start:cut])
+        env.add(steps[start:cut], rows[start:cut])
+        start = cut
+    assert env.scale & (env.scale - 1) == 0 and int(steps.max()) // env.scale < capacity
+    view_steps, low, high = env.view()
+    expected = brute_envelope(steps, rows, env.scale)
+    assert view_steps.tolist() == sorted(expected)
+    for k, s in enumerate(view_steps):
+        np.testing.assert_array_equal(low[k], expected[int(s)][0].astype(np.float32))
+        np.testing.assert_array_equal(high[k], expected[int(s)][1].astype(np.float32))
+
+
+def test_envelope_view_of_a_range_and_largest() -> None:
+    env = downsample.Envelope(2, capacity=4)
+    env.add(np.arange(10), np.array([[i, -i] for i in range(10)], dtype=np.float32))
+    assert env.scale == 4
+    steps, low, high = env.view(4, 8)
+    assert steps.tolist() == [4] and low.tolist() == [[4, -7]] and high.tolist() == [[7, -4]]
+    assert downsample.largest(low, high).tolist() == [[7, -7]]
+    with pytest.raises(ValueError, match="power of two"):
+        downsample.Envelope(2, capacity=6)
+    with pytest.raises(ValueError, match="must not be negative"):
+        env.add([-1], np.zeros((1, 2)))

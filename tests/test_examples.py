@@ -41,3 +41,41 @@ def test_live_dashboard_serves_while_training(tmp_path: Path) -> None:
     run = gw.open_run(tmp_path / "runs" / "live")
     assert run.steps == 150 and run.status == "finished"
     assert "vanishing" in set(run.findings()["kind"]), "the deep sigmoid stack's gradients fade towards the input"
+
+
+def test_ddp_example_runs_as_written(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(EXAMPLES / "ddp_example.py")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    run = gw.open_run(tmp_path / "runs" / "ddp")
+    assert run.steps == 60 and run.status == "finished" and run.meta["world_size"] == 2
+    found = run.findings()
+    assert found[["step", "kind", "action"]].values.tolist() == [[30, "nonfinite", "skip"]]
+    assert "born on rank 1 of 2" in result.stdout
+
+
+def test_prometheus_exporter_serves_while_training(tmp_path: Path) -> None:
+    import re
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    process = subprocess.Popen([sys.executable, str(EXAMPLES / "prometheus_exporter.py"), "--steps", "300",
+                                "--port", "0", "--pause", "0.01"], cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline().strip()
+    found = re.fullmatch(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", line)
+    assert found, line + (process.stderr.read() if process.stderr else "")
+    page = httpx.get(found.group(1), timeout=10).text
+    samples = {s.name: s for f in text_string_to_metric_families(page) for s in f.samples
+               if s.labels.get("run") == "prometheus" and s.labels.get("action", "skip") == "skip"}
+    assert samples["gradwatch_steps_total"].value < 300, "served while training"
+    assert samples["gradwatch_step"].labels == {"run": "prometheus", "model": "Sequential"}
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    run = gw.open_run(tmp_path / "runs" / "prometheus")
+    assert run.steps == 300 and run.status == "finished"
+    assert 'gradwatch_steps_total{model="Sequential",run="prometheus"} 300.0' in out
+    assert 'gradwatch_actions_total{action="skip",model="Sequential",run="prometheus"} 1.0' in out
+    assert run.findings()[["step", "kind", "action"]].values.tolist()[0] == [100, "nonfinite", "skip"]

@@ -75,3 +75,85 @@ def test_event_records_use_tensorboards_checksum() -> None:
 
     for data in (b"", b"gradwatch", os.urandom(10_000)):
         assert _masked_crc(data) == struct.pack("<I", masked_crc32c(data))
+
+
+class _LogFeatures(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # NaN for a negative input
+
+
+def _train_every_metric(run_dir: Path) -> None:
+    """A run that writes every tag gradwatch has: sampled statistics, a bounded activation, an
+    observed extra scalar, and a NaN step (non-finite gradient counts, a skipped step)."""
+    model = nn.Sequential(_LogFeatures(), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    gw.watch(model, run=run_dir, sample_every=2, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(8):
+        x = torch.rand(16, 4) + 0.5
+        if step == 5:
+            x[0, 0] = -1.0
+        loss = nn.functional.mse_loss(model(x), torch.zeros(16, 1))
+        opt.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss, accuracy=0.5)
+        opt.step()
+    gw.unwatch(model)
+
+
+def _custom_scalars_plugin(logdir: Path):  # type: ignore[no-untyped-def]
+    """TensorBoard's own custom-scalars plugin over a logdir, as ``tensorboard --logdir`` serves it."""
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.custom_scalar.custom_scalars_plugin import CustomScalarsPlugin
+    from tensorboard.plugins.scalar.scalars_plugin import ScalarsPlugin
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    plugins: dict[str, object] = {}
+    context = base_plugin.TBContext(logdir=str(logdir), multiplexer=multiplexer, plugin_name_to_instance=plugins,
+                                    data_provider=data_provider.MultiplexerDataProvider(multiplexer, str(logdir)))
+    plugins["scalars"] = ScalarsPlugin(context)
+    return CustomScalarsPlugin(context)
+
+
+@pytest.mark.filterwarnings("ignore:html5lib's sanitizer is deprecated:DeprecationWarning")  # TB's imports
+def test_custom_scalars_layout_charts_the_tags_written(tmp_path: Path) -> None:
+    import json
+    import re
+    from importlib.resources import files
+
+    from google.protobuf import json_format
+    from tensorboard import context
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    _train_every_metric(tmp_path / "a")
+    _train_every_metric(tmp_path / "b")
+    acc = load(tmp_path / "a")
+    assert acc.Tags()["tensors"].count("custom_scalars__config__") == 1, "the layout is written once per run"
+    written = set(acc.Tags()["scalars"])
+
+    plugin = _custom_scalars_plugin(tmp_path)
+    served = json.loads(plugin.layout_impl(context.RequestContext(), ""))
+    source = (files("gradwatch.dashboards") / "tensorboard" / "custom_scalars.json").read_text(encoding="utf-8")
+    as_served = json_format.Parse(json.dumps(served), layout_pb2.Layout())
+    assert as_served == json_format.Parse(source, layout_pb2.Layout()), \
+        "TensorBoard serves the layout as defined (the two runs' layouts merge into one)"
+    assert [c["title"] for c in served["category"]][0] == "gradwatch: global"
+
+    charted = set()
+    for category in served["category"]:
+        for chart in category["chart"]:
+            (pattern,) = chart["multiline"]["tag"]
+            shown = plugin.scalars_impl(context.RequestContext(), "a", pattern, "")
+            assert shown["regex_valid"], pattern
+            tags = set(shown["tag_to_events"])
+            assert tags, f"chart {chart['title']!r} ({pattern}) matches no tag the run wrote"
+            assert tags == {t for t in written if re.match(pattern, t)}
+            charted |= tags
+    assert charted == written, f"tags in no chart: {sorted(written - charted)}"
+    assert {"global/grad_norm", "global/loss", "global/lr", "global/skipped", "global/accuracy",
+            "grad_nonfinite/1", "act_sat_frac/2", "update_ratio/3"} <= written
+    (other,) = [c for cat in served["category"] for c in cat["chart"] if c["title"] == "other observed scalars"]
+    assert set(plugin.scalars_impl(context.RequestContext(), "a", other["multiline"]["tag"][0], "")
+               ["tag_to_events"]) == {"global/accuracy"}

@@ -10,7 +10,7 @@ import numpy as np
 from gradwatch.detectors import Detector
 from gradwatch.detectors.baseline import Window
 from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
+from gradwatch.records import PRECLIP, StepRecord
 
 HINT = (
     "clip gradients (gw.Rule(when='exploding', do='clip')), lower the learning rate or add warmup, "
@@ -26,6 +26,10 @@ class Exploding(Detector):
     ``window`` healthy values. A norm is flagged when ``log(norm) - median > max(z * spread,
     log(ratio))`` once ``warmup`` values are in its window, or (the global norm) when it exceeds
     ``limit``. Flagged and non-finite norms never enter a window.
+
+    When the record carries ``grad_norm_preclip`` (the global norm before a framework clipped
+    the gradients, e.g. the HF Trainer's ``max_grad_norm``), the global judgement is of that
+    norm: after clipping, the global norm is capped and an explosion would not show.
 
     Attributes:
         z: robust z-score (in log space) beyond which a norm is flagged.
@@ -77,7 +81,7 @@ class Exploding(Detector):
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Judge the step's norms against the baselines, then add the unflagged ones."""
-        total = record.scalars.get("grad_norm")
+        total = record.scalars.get(PRECLIP, record.scalars.get("grad_norm"))
         norms = record.vector("grad_norm")
         if record.skipped or total is None or norms is None:
             return []
@@ -110,7 +114,8 @@ class Exploding(Detector):
         if bad:
             times = f", {total / typical:.3g}x its typical {typical:.3g}" if math.isfinite(typical) else ""
             where = f"; largest jump in {layer} ({layout.layer_types[top]})" if top is not None else ""
-            message = f"global gradient norm {total:.3g} at step {record.step}{times}{where}."
+            what = "global gradient norm before clipping" if PRECLIP in record.scalars else "global gradient norm"
+            message = f"{what} {total:.3g} at step {record.step}{times}{where}."
             value = total
         else:
             assert top is not None

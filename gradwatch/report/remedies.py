@@ -129,6 +129,22 @@ KINDS: dict[str, Kind] = {
             "Lower the learning rate or clip gradients (after scaler.unscale_) if the overflow follows a spike.",
         ),
     ),
+    "replica_divergence": Kind(
+        "Replicas diverged",
+        "The copies of the model on the ranks of a distributed run no longer hold the same weights, so each rank "
+        "trains a different model and the averaged gradients stop meaning anything.",
+        (
+            "Wrap the model in DistributedDataParallel before the first step, and build it the same way on every "
+            "rank (same seed, same initial weights: DDP broadcasts rank 0's parameters only at construction).",
+            "Look for rank-dependent code between backward() and optimizer.step(): gradients modified on one rank, "
+            "clipping with a rank-local norm, a learning rate or scheduler that differs per rank.",
+            "Parameters updated outside autograd (buffers written in place, EMA weights) must be synchronised "
+            "explicitly (broadcast or all_reduce).",
+            "Non-deterministic kernels make replicas drift slowly; raise replica_tolerance if a tiny drift is "
+            "expected, or enable torch.use_deterministic_algorithms.",
+        ),
+        metric="param_norm",
+    ),
 }
 
 #: a kind the report does not know (a third-party detector)

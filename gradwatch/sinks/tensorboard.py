@@ -2,7 +2,10 @@
 
 Tags are ``<metric>/<layer>`` so that TensorBoard groups per-layer series by metric, and
 ``global/<name>`` for the global gradient norm, loss, learning rate and observed scalars.
-``grad_nonfinite/<layer>`` points are written only where the count is non-zero.
+``grad_nonfinite/<layer>`` points are written only where the count is non-zero. Each event file
+starts with a custom-scalars layout (TensorBoard's *Custom Scalars* tab: the global series, and one
+chart per metric with every layer's series in it), read from
+``gradwatch/dashboards/tensorboard/custom_scalars.json``.
 
 The event file is written here rather than through TensorBoard's ``EventFileWriter``, whose
 pure-Python CRC32C costs more CPU per step than everything else gradwatch does on a small
@@ -12,6 +15,7 @@ is TensorBoard's own, and the files are read back by TensorBoard's reader in the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -60,6 +64,36 @@ class EventFile:
         self._file.close()
 
 
+#: the custom-scalars layout, as the JSON form of TensorBoard's ``Layout`` proto, in ``gradwatch.dashboards``
+LAYOUT = ("tensorboard", "custom_scalars.json")
+
+
+@functools.lru_cache(maxsize=1)
+def _layout() -> bytes:
+    """The serialized ``Layout`` proto, read once per process."""
+    from importlib.resources import files
+
+    from google.protobuf import json_format
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    resource = files("gradwatch.dashboards")
+    for part in LAYOUT:
+        resource = resource / part
+    return json_format.Parse(resource.read_text(encoding="utf-8"), layout_pb2.Layout()).SerializeToString()
+
+
+def custom_scalars() -> object:
+    """The ``Summary`` that gives a run TensorBoard's custom-scalars layout (the plugin's config tag)."""
+    from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+    from tensorboard.plugins.custom_scalar import metadata
+
+    tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, string_val=[_layout()],
+                                    tensor_shape=tensor_shape_pb2.TensorShapeProto())
+    value = summary_pb2.Summary.Value(tag=metadata.CONFIG_SUMMARY_TAG, tensor=tensor,
+                                      metadata=metadata.create_summary_metadata())
+    return summary_pb2.Summary(value=[value])
+
+
 class TensorBoard:
     """Writes per-layer metrics on logged steps and global scalars on every step."""
 
@@ -68,6 +102,7 @@ class TensorBoard:
 
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._file = EventFile(run_dir)
+        self._file.write(self._event(wall_time=time.time(), step=0, summary=custom_scalars()))
         self._tags: dict[tuple[int, str], list[str]] = {}
         self._findings: set[int | None] = set()
 

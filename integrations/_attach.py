@@ -1,0 +1,83 @@
+"""What the framework callbacks share: ``gw.watch``'s arguments, checked early, and the run's life."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradwatch.errors import TrainingHalted
+from gradwatch.registry import check_settings, watch, watcher
+from gradwatch.watching import Watcher
+
+log = logging.getLogger("gradwatch")
+
+
+class Attachment:
+    """One callback's watcher: created when training starts, closed when it ends.
+
+    Args:
+        run, rules, log_every, options: exactly :func:`gradwatch.watch`'s keyword arguments,
+            validated here, so that a bad option fails when the callback is built, before
+            training starts.
+    """
+
+    def __init__(self, run: str | Path | None, rules: Any, log_every: int | None, options: dict[str, Any]) -> None:
+        check_settings(rules=rules, log_every=log_every, **options)
+        self._kwargs: dict[str, Any] = {"run": run, "rules": rules, "log_every": log_every, **options}
+        self.watcher: Watcher | None = None
+        #: the halt of this training, once a rule halted it
+        self.halt: TrainingHalted | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether a watcher is attached and its run still open."""
+        return self.watcher is not None and not self.watcher.closed
+
+    def attach(self, model: nn.Module, **integrate: Any) -> Watcher:
+        """Watch ``model`` (or take its existing watcher) and adapt it to the framework."""
+        self.close()  # a callback reused for a second training starts a new run
+        self.halt = None
+        watch(model, **self._kwargs)
+        self.watcher = watcher(model)
+        self.watcher.integrate(on_halt=self._halted, **integrate)
+        return self.watcher
+
+    def _halted(self, halt: TrainingHalted) -> None:
+        self.halt = halt
+        log.warning("%s; stopping the trainer", halt)
+
+    def observe(self, **scalars: Any) -> None:
+        """Observe scalars for the coming step, while the run is open."""
+        if self.active:
+            assert self.watcher is not None
+            self.watcher.observe(**scalars)
+
+    def close(self, status: str | None = None) -> None:
+        """Close the run (idempotent): finished, or ``status`` (``"crashed"``)."""
+        if self.watcher is not None:
+            self.watcher.close(status)
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (``LightningOptimizer``, ``AcceleratedOptimizer``)."""
+    inner = optimizer
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch optimizer (or a wrapper of one), got {type(optimizer).__name__}")
+    return inner
+
+
+def loss_scale(scaler: Any) -> torch.Tensor | None:
+    """The current scale of an enabled GradScaler, as the device tensor it multiplies by (no read).
+
+    None without a scaler, or before the scaler has scaled anything.
+    """
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)  # what GradScaler.scale() multiplies by; get_scale() would sync
+    return scale if isinstance(scale, torch.Tensor) else None

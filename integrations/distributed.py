@@ -1,0 +1,157 @@
+"""torch.distributed: every rank watches its replica, the ranks agree on every finding, rank 0 writes.
+
+``gw.watch(DistributedDataParallel(model), run=...)`` works unchanged in every rank of a process
+group; gradwatch notices the initialised group and:
+
+- **measures on every rank** (each rank's gradients, activations and loss);
+- **agrees on findings**: at each step, before any action, the ranks sum how many findings each
+  has (one tiny all-reduce on the host); only when some rank has one do they exchange them
+  (``all_gather_object``), so every rank judges the same union of findings — a NaN born on one
+  rank's batch gives the same action (skip, rollback, halt ...) on every rank in the same step,
+  and no rank is left waiting in a collective;
+- **writes from rank 0 only**: the run directory, store, TensorBoard files, verdict and console
+  lines come from rank 0 (its statistics; with DDP the gradients are the same on every rank after
+  the all-reduce). A finding made on other ranks says which (``data["ranks"]``);
+- **checks the replicas** every ``replica_check_every`` steps: each parameter's norm and sum are
+  compared across ranks; a mismatch beyond ``replica_tolerance`` (relative) is a
+  ``replica_divergence`` error naming the first layer that differs (replicas that drifted apart:
+  a missed all-reduce, a rank-dependent update, non-deterministic kernels).
+
+Control messages travel on a gloo group (created beside an NCCL default group), so agreeing
+costs no device synchronisation. FSDP is not supported yet: each rank would measure only its own
+shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gradwatch.findings import Finding
+
+
+def active() -> bool:
+    """Whether this process is one of several in an initialised process group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _key(finding: Finding) -> tuple[Any, ...]:
+    """Findings with one key are one finding seen on several ranks.
+
+    A NaN born on one rank reaches every rank through the gradient all-reduce, where it is
+    attributed to some other layer: one non-finite finding per severity and step.
+    """
+    if finding.kind == "nonfinite":
+        return (finding.kind, finding.severity)
+    return (finding.kind, finding.layer, finding.severity, finding.phase)
+
+
+def _born_here(finding: Finding) -> bool:
+    return finding.data.get("origin") == "replayed"
+
+
+class Group:
+    """The ranks training one model together, as gradwatch sees them (create it on every rank)."""
+
+    def __init__(self, check_every: int = 100, tolerance: float = 1e-5) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        self.check_every = check_every
+        self.tolerance = tolerance
+        # findings and checksums are host data: keep them off an NCCL group (no device sync)
+        self._pg = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the run (rank 0)."""
+        return self.rank == 0
+
+    def share(self, findings: Sequence[Finding]) -> list[Finding]:
+        """Every rank's findings of this step, the same list on every rank (call it on all ranks).
+
+        A finding of the same kind, layer, severity and phase on several ranks is kept once, with
+        the ranks that made it in ``data["ranks"]``; a non-finite finding is kept once per step,
+        from the rank where the NaN/Inf was born (its origin was found by replay) when there is one.
+        """
+        count = torch.tensor([len(findings)], dtype=torch.int64)
+        self._dist.all_reduce(count, group=self._pg)
+        if int(count.item()) == 0:
+            return []
+        gathered: list[Any] = [None] * self.size
+        self._dist.all_gather_object(gathered, [dataclasses.asdict(f) for f in findings], group=self._pg)
+        merged: dict[tuple[Any, ...], Finding] = {}
+        for rank, items in enumerate(gathered):
+            for item in items or []:
+                finding = Finding(**item)
+                key = _key(finding)
+                kept = merged.get(key)
+                if kept is None:
+                    finding.data = {**finding.data, "ranks": [rank]}
+                    merged[key] = finding
+                elif finding.kind == "nonfinite" and _born_here(finding) and not _born_here(kept):
+                    # the rank where the NaN was born names its origin; the others only saw it arrive
+                    finding.data = {**finding.data, "ranks": [*kept.data["ranks"], rank], "born_on_rank": rank}
+                    merged[key] = finding
+                else:
+                    kept.data["ranks"].append(rank)
+        out = list(merged.values())
+        for finding in out:
+            ranks = finding.data["ranks"]
+            if "born_on_rank" in finding.data:
+                finding.message = f"{finding.message} (born on rank {finding.data['born_on_rank']} of {self.size})"
+            elif len(ranks) < self.size:
+                which = ", ".join(map(str, ranks))
+                finding.message = f"{finding.message} (on rank{'s' if len(ranks) > 1 else ''} {which} of {self.size})"
+        return out
+
+    def due(self, step: int) -> bool:
+        """Whether the replicas are compared at this step."""
+        return self.check_every > 0 and step % self.check_every == 0
+
+    @torch.no_grad()
+    def check_replicas(self, step: int, params: Sequence[torch.Tensor], owners: Sequence[str | None]) -> list[Finding]:
+        """Compare every parameter's norm and sum across ranks (call it on all ranks at the same step).
+
+        Args:
+            step: the step being judged.
+            params: the model's parameters, in the same order on every rank.
+            owners: the layer each parameter belongs to (for the message), None when unknown.
+        """
+        if not params:
+            return []
+        detached = [p.detach() for p in params]
+        norms = torch.stack(torch._foreach_norm(detached)).double()
+        sums = torch.stack([p.sum() for p in detached]).double()
+        mine = torch.cat([norms, sums]).cpu()  # the one host read of this check
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        self._dist.all_gather(gathered, mine, group=self._pg)
+        table = torch.stack(gathered)  # ranks x (norms, sums)
+        spread = (table.max(dim=0).values - table.min(dim=0).values).abs()
+        scale = table.abs().max(dim=0).values.clamp_min(1e-12)
+        relative = (spread / scale).numpy()
+        bad = [i for i, r in enumerate(relative) if not math.isfinite(r) or r > self.tolerance]
+        if not bad:
+            return []
+        n = len(params)
+        first = bad[0] % n
+        params_bad = sorted({i % n for i in bad})
+        layer = owners[first]
+        worst = float(max(relative[i] for i in bad if math.isfinite(relative[i])) if any(
+            math.isfinite(relative[i]) for i in bad) else math.inf)
+        message = (f"the model replicas differ across the {self.size} ranks at step {step}: "
+                   f"{len(params_bad)} parameter(s) disagree, first in {layer or 'the model'} "
+                   f"(relative difference {worst:.3g} > {self.tolerance:g})")
+        return [Finding("replica_divergence", "error", step, layer, message, value=worst,
+                        data={"parameters": len(params_bad), "tolerance": self.tolerance,
+                              "hint": "make every rank apply the same update: wrap the model in "
+                                      "DistributedDataParallel, seed every rank alike, and avoid "
+                                      "rank-dependent code between backward and optimizer.step()"})]

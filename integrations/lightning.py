@@ -1,0 +1,131 @@
+"""Lightning: ``GradWatchCallback`` watches a LightningModule through the Trainer's hooks.
+
+    from gradwatch.integrations.lightning import GradWatchCallback
+    trainer = Trainer(callbacks=[GradWatchCallback(run="runs/exp1")])
+
+- the module is watched from ``on_fit_start``; the run is closed at ``on_train_end`` (finished),
+  at a halt (halted) or in ``on_exception`` (crashed);
+- the step moment is ``on_before_optimizer_step``: after backward and after the GradScaler's
+  unscale under AMP, before Lightning's own gradient clipping (``gradient_clip_val``) and the
+  optimizer's update. (Lightning calls ``optimizer.step(closure)``: the optimizer's step
+  pre-hook runs before the closure's forward and backward, so it cannot be the step moment.)
+  Clip, skip and rollback act there, as in a plain loop;
+- the loss is taken in ``on_before_backward`` (undoing Lightning's division by
+  ``accumulate_grad_batches`` and the GradScaler's scaling; a device tensor, read with the
+  step's single host read);
+- a halt sets ``trainer.should_stop`` (the step applies nothing, the reason is logged) instead
+  of raising out of ``trainer.fit``;
+- ``gradwatch/grad_norm``, ``gradwatch/warnings`` and ``gradwatch/errors`` go to the Trainer's
+  logger every step, from numbers already read.
+
+Works with ``lightning.pytorch``, or ``pytorch_lightning`` when only that is installed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradwatch.integrations._attach import Attachment, loss_scale, unwrap_optimizer
+
+try:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError:  # pragma: no cover - the standalone package
+    try:
+        from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
+    except ImportError:
+        raise ImportError(
+            "gradwatch.integrations.lightning needs Lightning: pip install 'gradwatch[lightning]'"
+        ) from None
+
+__all__ = ["GradWatchCallback"]
+
+
+class GradWatchCallback(Callback):
+    """Watch the LightningModule that a ``Trainer`` fits.
+
+    Takes exactly :func:`gradwatch.watch`'s keyword arguments, checked when the callback is
+    built (a bad rule or option raises :class:`gradwatch.ConfigError` before training starts).
+
+    Args:
+        run: run directory; default ``runs/<timestamp>-<module class>``.
+        rules: ``"default"``, None (record only), a :class:`gradwatch.Rule`, a list, or a
+            TOML path, as for :func:`gradwatch.watch`.
+        log_every: write per-layer series every this many steps.
+        **options: further :func:`gradwatch.watch` options.
+
+    Activation statistics and the replay that finds where a NaN was born hook the module's
+    ``forward``: have ``training_step`` call ``self(x)`` (the usual style). A rollback's
+    ``skip_batches`` cannot drop batches from a callback: the next ``skip_batches`` steps run
+    but apply nothing (recorded as skipped).
+    """
+
+    def __init__(self, *, run: str | Path | None = None, rules: Any = "default", log_every: int | None = None,
+                 **options: Any) -> None:
+        self._attachment = Attachment(run, rules, log_every, options)
+        self._trainer: Trainer | None = None
+
+    @property
+    def watcher(self) -> Any:
+        """The :class:`gradwatch.Watcher` of the current (or last) fit; None before the first."""
+        return self._attachment.watcher
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory of the current (or last) fit."""
+        return self.watcher.run_dir if self.watcher is not None else None
+
+    # ------------------------------------------------------------ lifecycle
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Watch the module; the callback signals the step moment itself."""
+        self._trainer = trainer
+        self._attachment.attach(pl_module, signalled=True)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Close the run as finished (unless a halt closed it already)."""
+        self._attachment.close()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Close the run as crashed (an interrupt closes it as finished, like ``with watcher:``)."""
+        self._attachment.close(None if isinstance(exception, KeyboardInterrupt) else "crashed")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Close the run if nothing else did."""
+        self._attachment.close()
+
+    # ----------------------------------------------------------------- step
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        """Observe the training step's loss, as ``training_step`` returned it."""
+        if not self._attachment.active:
+            return
+        value = loss.detach()
+        scale = loss_scale(getattr(trainer.precision_plugin, "scaler", None))
+        if scale is not None:
+            value = value / scale.to(value.device)
+        if pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
+            value = value * trainer.accumulate_grad_batches
+        self._attachment.observe(loss=value)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        """The step moment: measure, judge and act before Lightning clips and the optimizer steps."""
+        attachment = self._attachment
+        watcher = attachment.watcher
+        if watcher is None or watcher.closed:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        watcher.leave_out()
+        watcher.gradients_ready(unwrap_optimizer(optimizer), scaled=scaler is not None and scaler.is_enabled())
+        if attachment.halt is not None:
+            trainer.should_stop = True
+        latest, counts = watcher.latest, watcher.findings["counts"]
+        pl_module.log_dict(
+            {
+                "gradwatch/grad_norm": latest.get("grad_norm", math.nan),
+                "gradwatch/warnings": float(counts["warning"]),
+                "gradwatch/errors": float(counts["error"]),
+            },
+            on_step=True, on_epoch=False, prog_bar=False, logger=bool(trainer.loggers),
+        )

@@ -1,0 +1,142 @@
+"""torch.distributed: two real processes on the gloo backend, each watching its DDP replica."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import gradwatch as gw
+
+WORLD = 2
+STEPS = 12
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
+    """One rank: build the same model, watch the DDP wrapper, train, report what it saw."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        torch.manual_seed(0)  # the same initial weights on both ranks
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        ddp = DistributedDataParallel(model)
+        options: dict[str, Any] = {"console": False}
+        if scenario == "divergence":
+            options.update(replica_check_every=4)
+        if scenario == "halt":
+            options.update(rules=[gw.Rule(when="nonfinite", do="halt")])
+        gw.watch(ddp, run=run, **options)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+        weights: dict[int, list[float]] = {}
+        for step in range(STEPS):
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+            if scenario in ("nan", "halt") and rank == 1 and step == 5:
+                x[0, 0] = float("nan")  # poisoned on rank 1 only
+            loss = nn.functional.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            gw.watcher(ddp).observe(loss=loss)
+            before = model[0].weight.detach().clone()
+            try:
+                opt.step()
+            except gw.TrainingHalted as exc:
+                result["halted_at"] = exc.step
+                break
+            weights[step] = [float((model[0].weight.detach() - before).abs().max())]
+            if scenario == "divergence" and rank == 1 and step == 6:
+                with torch.no_grad():
+                    model[2].bias.add_(1.0)  # a rank-dependent update outside DDP
+        gw.unwatch(ddp)
+        result["changed"] = {str(k): v[0] for k, v in weights.items()}
+        result["weight_sum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+        dist.barrier()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def launch(tmp_path: Path, scenario: str) -> tuple[Path, list[dict[str, Any]]]:
+    run = tmp_path / "run"
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, str(run), scenario, str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung (deadlock in a collective?)"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r in results:
+        assert "error" not in r, r["error"]
+    return run, results
+
+
+def test_healthy_ddp_run_is_written_once_by_rank_0(tmp_path: Path) -> None:
+    run, results = launch(tmp_path, "healthy")
+    with gw.open_run(run) as stored:
+        assert stored.steps == STEPS and stored.status == "finished"
+        assert stored.meta["world_size"] == WORLD
+        assert stored.findings().empty, "a healthy DDP run has no findings"
+        assert len(stored.series("loss")[0]) == STEPS
+    assert results[0]["weight_sum"] == pytest.approx(results[1]["weight_sum"], rel=1e-9), "replicas agree"
+    assert json.loads((run / "verdict.json").read_text())["status"] == "finished"
+
+
+def test_nan_on_one_rank_is_skipped_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    run, results = launch(tmp_path, "nan")
+    for r in results:
+        assert r["changed"]["5"] == 0.0, f"rank {r['rank']} applied the poisoned step"
+        assert r["changed"]["6"] > 0.0, f"rank {r['rank']} went on training"
+    assert results[0]["weight_sum"] == pytest.approx(results[1]["weight_sum"], rel=1e-9), "replicas still agree"
+    with gw.open_run(run) as stored:
+        found = stored.findings()
+        assert stored.steps == STEPS
+        assert stored.skipped_steps().tolist() == [5]
+    nonfinite = found[found["kind"] == "nonfinite"]
+    assert nonfinite["step"].tolist() == [5] and nonfinite["action"].tolist() == ["skip"]
+    data = nonfinite["data"].iloc[0]
+    assert data["ranks"] == [0, 1] and data["origin"] == "replayed", "named where it was born: rank 1's batch"
+    assert nonfinite["phase"].iloc[0] == "forward" and nonfinite["message"].iloc[0].endswith("(born on rank 1 of 2)")
+
+
+def test_replicas_that_drift_apart_are_found(tmp_path: Path) -> None:
+    run, _ = launch(tmp_path, "divergence")
+    with gw.open_run(run) as stored:
+        found = stored.findings()
+    diverged = found[found["kind"] == "replica_divergence"]
+    assert diverged["step"].tolist()[:1] == [8], "the first check after rank 1 changed its replica (step 6)"
+    assert diverged["layer"].iloc[0] == "2" and diverged["severity"].iloc[0] == "error"
+    assert "differ across the 2 ranks" in diverged["message"].iloc[0]
+
+
+def test_halt_decided_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    run, results = launch(tmp_path, "halt")
+    assert [r.get("halted_at") for r in results] == [5, 5], "both ranks raised TrainingHalted at step 5"
+    with gw.open_run(run) as stored:
+        assert stored.status == "halted" and stored.steps == 6
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert verdict["status"] == "halted" and verdict["halted"]["step"] == 5
