@@ -21,6 +21,30 @@ from gradwatch.records import LAYER, PARAM
 Activations = list[tuple[int, list[torch.Tensor], int]]
 
 
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without DTensor (or without distributed)
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a sharded (FSDP2 ``DTensor``) tensor on this rank, or the tensor itself.
+
+    The shard shares the tensor's storage, so an in-place change (clipping) changes the tensor.
+    """
+    return t.to_local() if _DTENSOR is not None and isinstance(t, _DTENSOR) else t
+
+
+def sharded(tensors: list[torch.Tensor]) -> bool:
+    """Whether any of these tensors is sharded across ranks (FSDP2 parameters and gradients)."""
+    return _DTENSOR is not None and any(isinstance(t, _DTENSOR) for t in tensors)
+
+
 @dataclass
 class Launched:
     """What one step launched on the device, in the order it is read back."""
@@ -31,6 +55,9 @@ class Launched:
     tidx: list[int] = field(default_factory=list)  # trainable parameters (sampled steps)
     acts: Activations = field(default_factory=list)
     parts: list[torch.Tensor] = field(default_factory=list)
+    #: the parameters are sharded across ranks: ``parts`` are this rank's shards' statistics
+    #: (see :meth:`Measure.spans` for how to combine them across ranks)
+    sharded: bool = False
 
 
 class Measure:
@@ -49,14 +76,30 @@ class Measure:
         params = self.found.params
         gidx = [i for i, p in enumerate(params) if p.grad is not None]
         grads = [g for g in (params[i].grad for i in gidx) if g is not None]
-        out = Launched(sampled, gidx, grads, parts=stats.norms(grads))
+        shards = sharded(grads)
+        if shards:  # FSDP: each rank measures its shards; the watcher combines them across ranks
+            grads = [local(g) for g in grads]
+        out = Launched(sampled, gidx, grads, parts=stats.norms(grads), sharded=shards)
         if sampled:
             out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
             out.acts = acts
             out.parts += stats.max_abs(grads)
-            out.parts += stats.norms([params[i] for i in out.tidx])
+            out.parts += stats.norms([local(params[i]) for i in out.tidx])
             out.parts += [t for _, values, _ in acts for t in values]
         return out
+
+    @staticmethod
+    def spans(step: Launched) -> list[tuple[int, int, str]]:
+        """How a sharded step's statistics combine across ranks: ``(start, stop, how)`` over ``step.parts``.
+
+        Norms combine as the root of the sum of squares (``"norm"``), largest values by maximum
+        (``"max"``); activation statistics are each rank's own (its batch) and are left alone.
+        """
+        n = len(step.gidx)
+        spans = [(0, n, "norm")]
+        if step.sampled:
+            spans += [(n, 2 * n, "max"), (2 * n, 2 * n + len(step.tidx), "norm")]
+        return spans
 
     def vectors(self, step: Launched, host: np.ndarray) -> dict[tuple[str, str], np.ndarray]:
         """Per-parameter and per-layer vectors from the host copy of ``step.parts``.
@@ -117,7 +160,7 @@ class Measure:
         """Copies of the weights about to be updated, for the update ratio (sampled steps)."""
         if not step.sampled or not step.gidx:
             return {}
-        copies = torch._foreach_mul([self.found.params[i] for i in step.gidx], 1.0)
+        copies = torch._foreach_mul([local(self.found.params[i]) for i in step.gidx], 1.0)
         return dict(zip(step.gidx, copies))
 
     @torch.no_grad()
@@ -129,7 +172,7 @@ class Measure:
         if not idx:
             return [], []
         moved = [before.pop(i) for i in idx]
-        torch._foreach_sub_(moved, [self.found.params[i] for i in idx])  # our own copies: in place
+        torch._foreach_sub_(moved, [local(self.found.params[i]) for i in idx])  # our own copies: in place
         return idx, stats.norms(moved)
 
     def update_ratios(self, vectors: dict[tuple[str, str], np.ndarray], idx: list[int], host: np.ndarray) -> None:

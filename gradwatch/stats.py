@@ -52,8 +52,12 @@ def max_abs(tensors: Sequence[Tensor]) -> list[Tensor]:
     """Largest absolute value of each tensor (0-d float32 tensors)."""
     if not tensors:
         return []
+    if any(t.numel() == 0 for t in tensors):  # an empty shard (FSDP) has no largest value: 0
+        full = [i for i, t in enumerate(tensors) if t.numel()]
+        found = dict(zip(full, max_abs([tensors[i] for i in full])))
+        return [found[i] if i in found else t.new_zeros((), dtype=torch.float32) for i, t in enumerate(tensors)]
     device = tensors[0].device
-    if device.type == "cpu" and all(t.device == device and not t.is_sparse and t.numel() for t in tensors):
+    if device.type == "cpu" and all(t.device == device and not t.is_sparse for t in tensors):
         # on CPU one min/max pass per tensor, then one vector op, beats the inf-norm kernel
         ends = [torch.aminmax(t) for t in tensors]
         lo = torch.stack([e[0] for e in ends]).float().abs()

@@ -583,6 +583,12 @@ class Watcher:
         lr_parts = [lr] if isinstance(lr, torch.Tensor) else []
         pending = self._pending.update_parts if self._pending is not None else []
         host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *pending])  # the step's one read
+        if launched.sharded and self._group is not None:  # FSDP: the shards' statistics make the model's
+            spans = self._measure.spans(launched)
+            if pending:
+                start = len(launched.parts) + len(obs_parts) + len(lr_parts)
+                spans.append((start, start + len(pending), "norm"))
+            host = self._group.combine(host, spans)
 
         k = len(launched.parts)
         vectors = self._measure.vectors(launched, host[:k])

@@ -18,8 +18,13 @@ group; gradwatch notices the initialised group and:
   a missed all-reduce, a rank-dependent update, non-deterministic kernels).
 
 Control messages travel on a gloo group (created beside an NCCL default group), so agreeing
-costs no device synchronisation. FSDP is not supported yet: each rank would measure only its own
-shards.
+costs no device synchronisation.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``, parameters and gradients as ``DTensor`` shards):
+each rank measures its own shards, and the per-parameter gradient norms, largest gradient values,
+parameter norms and update norms are combined across ranks (root of the summed squares, maximum)
+before anything is judged, so per-layer numbers are the whole model's. Activation statistics stay
+each rank's own. The replica check does not apply (the ranks hold different shards).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from gradwatch.findings import Finding
@@ -113,6 +119,32 @@ class Group:
                 finding.message = f"{finding.message} (on rank{'s' if len(ranks) > 1 else ''} {which} of {self.size})"
         return out
 
+    def combine(self, host: np.ndarray, spans: Sequence[tuple[int, int, str]]) -> np.ndarray:
+        """Combine per-shard statistics across ranks (FSDP), in place: the whole model's numbers on every rank.
+
+        ``spans`` are ``(start, stop, how)`` ranges of ``host``: ``"norm"`` ranges hold norms of each
+        rank's shards (combined as the root of the sum of squares), ``"max"`` ranges largest values.
+        Two all-reduces of host values, on the gloo group.
+        """
+        norm = [(a, b) for a, b, how in spans if how == "norm" and b > a]
+        top = [(a, b) for a, b, how in spans if how == "max" and b > a]
+        if norm:
+            squares = torch.from_numpy(np.concatenate([host[a:b] for a, b in norm]) ** 2)
+            self._dist.all_reduce(squares, group=self._pg)
+            k = 0
+            for a, b in norm:
+                host[a:b] = np.sqrt(squares[k:k + b - a].numpy())
+                k += b - a
+        if top:
+            values = np.concatenate([host[a:b] for a, b in top])
+            largest = torch.from_numpy(np.where(np.isnan(values), np.inf, values))  # a NaN shard: unbounded
+            self._dist.all_reduce(largest, op=self._dist.ReduceOp.MAX, group=self._pg)
+            k = 0
+            for a, b in top:
+                host[a:b] = largest[k:k + b - a].numpy()
+                k += b - a
+        return host
+
     def due(self, step: int) -> bool:
         """Whether the replicas are compared at this step."""
         return self.check_every > 0 and step % self.check_every == 0
@@ -126,7 +158,9 @@ class Group:
             params: the model's parameters, in the same order on every rank.
             owners: the layer each parameter belongs to (for the message), None when unknown.
         """
-        if not params:
+        from gradwatch.measure import sharded
+
+        if not params or sharded(list(params)):  # FSDP: each rank holds other shards, nothing to compare
             return []
         detached = [p.detach() for p in params]
         norms = torch.stack(torch._foreach_norm(detached)).double()

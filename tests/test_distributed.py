@@ -36,7 +36,14 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         torch.manual_seed(0)  # the same initial weights on both ranks
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        ddp = DistributedDataParallel(model)
+        if scenario == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in (model[0], model[2]):
+                fully_shard(layer)
+            ddp = fully_shard(model)
+        else:
+            ddp = DistributedDataParallel(model)
         options: dict[str, Any] = {"console": False}
         if scenario == "divergence":
             options.update(replica_check_every=4)
@@ -54,19 +61,24 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
             opt.zero_grad()
             loss.backward()
             gw.watcher(ddp).observe(loss=loss)
+            if scenario == "fsdp":  # the whole gradients' norms, gathered across the shards
+                full = {n: float(p.grad.full_tensor().norm()) for n, p in model.named_parameters()}
+                result.setdefault("full_norms", {})[str(step)] = full
             before = model[0].weight.detach().clone()
             try:
                 opt.step()
             except gw.TrainingHalted as exc:
                 result["halted_at"] = exc.step
                 break
-            weights[step] = [float((model[0].weight.detach() - before).abs().max())]
+            weights[step] = [float((model[0].weight.detach() - before).abs().max().full_tensor()
+                                   if scenario == "fsdp" else (model[0].weight.detach() - before).abs().max())]
             if scenario == "divergence" and rank == 1 and step == 6:
                 with torch.no_grad():
                     model[2].bias.add_(1.0)  # a rank-dependent update outside DDP
         gw.unwatch(ddp)
         result["changed"] = {str(k): v[0] for k, v in weights.items()}
-        result["weight_sum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+        result["weight_sum"] = float(sum((p.full_tensor() if scenario == "fsdp" else p).detach().double().sum()
+                                         for p in model.parameters()))
         dist.barrier()
     except BaseException:
         result["error"] = traceback.format_exc()
@@ -140,3 +152,21 @@ def test_halt_decided_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Pa
         assert stored.status == "halted" and stored.steps == 6
     verdict = json.loads((run / "verdict.json").read_text())
     assert verdict["status"] == "halted" and verdict["halted"]["step"] == 5
+
+
+def test_fsdp_per_parameter_norms_are_the_whole_gradients(tmp_path: Path) -> None:
+    run, results = launch(tmp_path, "fsdp")
+    full = results[0]["full_norms"]
+    with gw.open_run(run) as stored:
+        assert stored.steps == STEPS and stored.findings().empty
+        per_param = stored.metrics("grad_norm", per_parameter=True, include_global=False)
+        global_norm = stored.series("grad_norm")[1]
+    for step in (0, 10):  # per-parameter rows are kept on sampled steps
+        rows = per_param[(per_param["step"] == step) & per_param["layer"].str.contains(".", regex=False)]
+        got = dict(zip(rows["layer"], rows["value"]))
+        assert got.keys() == full[str(step)].keys()
+        for name, value in full[str(step)].items():
+            assert got[name] == pytest.approx(value, rel=1e-5), (step, name)
+    for step in range(STEPS):  # the global norm of every step is the whole model's
+        expected = sum(v ** 2 for v in full[str(step)].values()) ** 0.5
+        assert global_norm[step] == pytest.approx(expected, rel=1e-5), step
