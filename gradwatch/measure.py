@@ -37,7 +37,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
     The shard shares the tensor's storage, so an in-place change (clipping) changes the tensor.
     """
-    return t.to_local() if _DTENSOR is not None and isinstance(t, _DTENSOR) else t
+    return t.to_local() if _DTENSOR is not None and isinstance(t, _DTENSOR) else t  # type: ignore[attr-defined]
 
 
 def sharded(tensors: list[torch.Tensor]) -> bool:
