@@ -62,13 +62,11 @@ class Attachment:
             self.watcher.close(status)
 
 
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside a framework's wrapper (``LightningOptimizer``, ``AcceleratedOptimizer``)."""
     inner = optimizer
     while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
         inner = inner.optimizer
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"expected a torch optimizer (or a wrapper of one), got {type(optimizer).__name__}")
     return inner
 
 

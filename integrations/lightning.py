@@ -35,7 +35,7 @@ try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:  # pragma: no cover - the standalone package
     try:
-        from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
+        from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef,assignment]
     except ImportError:
         raise ImportError(
             "gradwatch.integrations.lightning needs Lightning: pip install 'gradwatch[lightning]'"

@@ -12,8 +12,9 @@
   ``grad_norm`` and every per-layer series are of the gradients the optimizer applies;
 - with ``max_grad_norm > 0`` the global norm *before* the Trainer's clipping is recorded every
   step as ``grad_norm_preclip`` (the value the Trainer logs as ``grad_norm``), measured on the
-  device when each backward pass ends (the last one before the step counts) and read with the
-  step's single host read. The ``exploding`` detector judges it: clipped, the global norm is
+  device when each backward pass ends (after what the backward pass itself queued to run at its
+  end, such as DDP's gradient reduction; the last backward before the step counts) and read with
+  the step's single host read. The ``exploding`` detector judges it: clipped, the global norm is
   capped at ``max_grad_norm`` and an explosion would not show;
 - the loss is the ``loss`` of the model's output (HF models return it when the batch has
   labels): the mean over the step's micro-batches, or their sum when the Trainer has the
@@ -64,6 +65,21 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads]))
 
 
+def _track(watcher: Any, scheduler: Any) -> None:
+    """Have a rollback restore the Trainer's LR scheduler.
+
+    Its ``optimizer`` is accelerate's wrapper, so gradwatch's own search (schedulers of the
+    model's torch optimizers) does not find it.
+    """
+    scheduler = getattr(scheduler, "scheduler", scheduler)  # inside an AcceleratedScheduler
+    if scheduler is None or watcher is None:
+        return
+    try:
+        watcher.track(scheduler)
+    except TypeError:  # not a torch LR scheduler: nothing gradwatch can snapshot
+        pass
+
+
 class GradWatchCallback(TrainerCallback):
     """Watch the model that a ``transformers.Trainer`` trains.
 
@@ -112,12 +128,14 @@ class GradWatchCallback(TrainerCallback):
 
     # ------------------------------------------------------------ lifecycle
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+                       model: nn.Module | None = None, optimizer: Any = None, lr_scheduler: Any = None,
+                       **kwargs: Any) -> None:
         """Watch the model."""
         if model is None:
             raise ValueError("GradWatchCallback needs the model: the Trainer passes it to on_train_begin")
         self.close()
-        self._attachment.attach(model, before_step=self._before_step)
+        watcher = self._attachment.attach(model, before_step=self._before_step)
+        _track(watcher, lr_scheduler)
         self._clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer under fp16
@@ -130,9 +148,11 @@ class GradWatchCallback(TrainerCallback):
 
     # ----------------------------------------------------------------- step
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+                      lr_scheduler: Any = None, **kwargs: Any) -> None:
         """A new optimizer step begins (its first micro-batch)."""
         self._losses, self._preclip = [], None  # what a GradScaler-skipped step left behind
+        if self._attachment.active:
+            _track(self._attachment.watcher, lr_scheduler)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:

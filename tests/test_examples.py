@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gradwatch as gw
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -79,3 +81,33 @@ def test_prometheus_exporter_serves_while_training(tmp_path: Path) -> None:
     assert 'gradwatch_steps_total{model="Sequential",run="prometheus"} 300.0' in out
     assert 'gradwatch_actions_total{action="skip",model="Sequential",run="prometheus"} 1.0' in out
     assert run.findings()[["step", "kind", "action"]].values.tolist()[0] == [100, "nonfinite", "skip"]
+
+
+def test_lightning_example_runs_as_written(tmp_path: Path) -> None:
+    pytest.importorskip("lightning.pytorch")
+    result = subprocess.run([sys.executable, str(EXAMPLES / "lightning_example.py")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    run = gw.open_run(tmp_path / "runs" / "lightning-example")
+    assert run.steps == 100 and run.status == "finished"
+    found = run.findings()
+    assert list(found.kind) == ["nonfinite"] and list(found.step) == [30]
+    assert list(found.layer) == ["features"] and list(found.action) == ["skip"]
+    assert "step 30: nonfinite in features (forward) -> skip" in result.stdout
+    loss = run.scalars()["loss"]
+    assert loss.iloc[-10:].mean() < loss.iloc[:10].mean() / 10, "training went on after the skipped step"
+
+
+def test_hf_trainer_example_runs_as_written(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    result = subprocess.run([sys.executable, str(EXAMPLES / "hf_trainer_example.py")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    run = gw.open_run(tmp_path / "runs" / "hf-trainer-example")
+    assert run.steps == 60 and run.status == "finished" and run.findings().empty
+    assert "60 steps, status finished, findings: 0" in result.stdout
+    scalars = run.scalars()
+    assert (scalars["grad_norm"] <= 1.0 + 1e-5).all(), "grad_norm is the clipped norm the optimizer applied"
+    assert (scalars["grad_norm_preclip"] > 1.0).any(), "some steps were clipped"
+    assert (scalars["grad_norm_preclip"] >= scalars["grad_norm"] * (1 - 1e-6)).all()

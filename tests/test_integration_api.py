@@ -109,7 +109,7 @@ def test_signalled_skip_leaves_the_step_unapplied(run_dir: Path) -> None:
     gw.watch(model, run=run_dir, console=False)  # default rules: nonfinite -> skip
     gw.watcher(model).integrate(on_halt=pytest.fail, signalled=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for i in range(3):
+    for _ in range(3):
         closure_step(model, opt, x[:32], y[:32])
     before = state(model, opt)
     closure_step(model, opt, x[:32], y[:32], poison=True)

@@ -54,6 +54,7 @@ class Plant(transformers.TrainerCallback):
         self.before: dict[str, torch.Tensor] | None = None
         self.after: dict[str, torch.Tensor] | None = None
         self.applied: list[float] = []
+        self.starts: list[torch.Tensor] = []  # a weight when each step begins
         model.get_submodule(ACT).register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
@@ -63,6 +64,7 @@ class Plant(transformers.TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module, **kwargs: Any) -> None:
         self.active = state.global_step == self.at
+        self.starts.append(model.transformer.h[0].attn.c_attn.weight.detach().clone())
         if self.active:
             self.before = copy.deepcopy(model.state_dict())
 
@@ -86,9 +88,9 @@ def train(tmp_path: Path, callback: GradWatchCallback, *, at: int | None = None,
           max_steps: int = 8, **args: Any) -> tuple[Any, Plant]:
     model = tiny_gpt2()
     plant = Plant(model, at, what)
-    defaults: dict[str, Any] = dict(output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=4,
-                                    logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                                    max_grad_norm=1.0, disable_tqdm=True, learning_rate=1e-3)
+    defaults: dict[str, Any] = dict(output_dir=str(tmp_path / "out"), max_steps=max_steps,
+                                    per_device_train_batch_size=4, logging_steps=1, report_to=[], save_strategy="no",
+                                    use_cpu=True, max_grad_norm=1.0, disable_tqdm=True, learning_rate=1e-3)
     trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**{**defaults, **args}),
                                    train_dataset=Tokens(), callbacks=[plant, callback])
     trainer.train()
@@ -162,6 +164,22 @@ def test_a_halt_stops_training_without_an_exception(tmp_path: Path, caplog: pyte
     assert run.status == "halted" and run.steps == 4
     assert run.verdict is not None and run.verdict["halted"]["step"] == 3
     assert list(run.findings().action) == ["halt"]
+
+
+def test_a_rollback_restores_model_optimizer_and_scheduler(tmp_path: Path) -> None:
+    rules = [gw.Rule(when="nonfinite", do="rollback", skip_batches=1)]
+    callback = GradWatchCallback(run=tmp_path / "run", rules=rules, snapshot_every=2, console=False)
+    trainer, plant = train(tmp_path, callback, at=5)
+    assert torch.equal(plant.starts[6], plant.starts[4]), "back to the snapshot taken before step 4's update"
+    assert torch.equal(plant.starts[7], plant.starts[6]), "the next step is left out"
+    run = gw.open_run(tmp_path / "run")
+    assert run.status == "finished" and run.steps == trainer.state.global_step == 8
+    found = run.findings()
+    assert list(found.kind) == ["nonfinite"] and list(found.action) == ["rollback"] and list(found.step) == [5]
+    assert run.skipped_steps().tolist() == [5, 6]
+    steps, lrs = run.series("lr")
+    assert steps.tolist() == list(range(8))
+    assert lrs[6] == pytest.approx(lrs[5]), "the LR scheduler went back to step 4 and stepped once"
 
 
 def test_an_explosion_the_trainer_clips_is_still_found(tmp_path: Path) -> None:
