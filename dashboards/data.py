@@ -219,19 +219,22 @@ def _range(start: int | None, stop: int | None) -> tuple[int, int | None]:
     return lo, stop
 
 
-def progress(run: Run) -> dict[str, Any]:
-    """How far the run has got (steps, last step, findings, status): what live pages watch."""
-    return run.progress()
+def _stop(run: Run, lo: int, hi: int | None) -> int:
+    """The end of a step range: ``hi``, or one past the run's last step when the range is open."""
+    if hi is not None:
+        return hi
+    last = run.progress()["last_step"]
+    return last + 1 if last is not None else lo
 
 
 def summary(run: Run, run_id: str) -> dict[str, Any]:
     """The run's header: name, status, verdict, headline, facts and its layers in model order."""
     meta = run.meta
-    status = run.status
+    progress = run.progress()
+    status = progress["status"]
     found = run.findings()
-    counts = {s: int((found["severity"] == s).sum()) for s in ("info", "warning", "error")}
-    state = ("halted" if status == "halted" else "errors" if counts["error"] else
-             "warnings" if counts["warning"] else "healthy")
+    counts = report_summary.counts(found)
+    state = report_summary.state(status, counts)
     listed = explained.items(run, found)
     steps_info = run.step_info()
     lr_steps, lr = run.series("lr")
@@ -244,12 +247,12 @@ def summary(run: Run, run_id: str) -> dict[str, Any]:
         "status": status,
         "state": state,
         "counts": counts,
-        "headline": report_summary.headline(state, status, counts, listed, run.steps, live=True),
+        "headline": report_summary.headline(state, status, counts, listed, progress["steps"], live=True),
         "facts": [[k, v] for k, v in report_summary.facts(run, meta, status, steps_info, scalars)],
         "layers": [{"name": n, "type": t, "params": int(p)}
                    for n, t, p in zip(info["layer"], info["type"], info["params"])],
         "metrics": [{"metric": m, "title": t, "log": lg} for m, (t, lg) in METRICS.items()],
-        **run.progress(),
+        **progress,
     }
 
 
@@ -324,8 +327,7 @@ def _metric(metric: str) -> tuple[str, bool]:
 
 def _raw(run: Run, metric: str, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray] | None:
     """Full-resolution rows of a short range, or None when the range is long."""
-    last = run.progress()["last_step"]
-    end = (last + 1 if last is not None else lo) if hi is None else hi
+    end = _stop(run, lo, hi)
     if end - lo > RAW_STEPS:
         return None
     frame = run.matrix(metric, steps=slice(lo, end))
@@ -378,8 +380,7 @@ def layer(run: Run, cache: Envelopes, name: str, start: int | None = None, stop:
     if name not in names:
         raise NotFound(name)
     series: dict[str, Any] = {}
-    last = run.progress()["last_step"]
-    end = (last + 1 if last is not None else lo) if hi is None else hi
+    end = _stop(run, lo, hi)
     exact = end - lo <= RAW_STEPS
     if exact:
         frame = run.metrics(list(METRICS), layers=[name], steps=slice(lo, end), include_global=False)

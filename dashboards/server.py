@@ -209,7 +209,7 @@ class Dashboard:
                 run, self.envelopes, q.query_params.get("metric", "grad_norm"), _int(q, "start"), _int(q, "stop"))),
             "layer": rn(lambda run, rid, q: data.layer(run, self.envelopes, _one(q, "layer"), _int(q, "start"),
                                                          _int(q, "stop"))),
-            "progress": rn(lambda run, rid, q: {"id": rid, **data.progress(run)}),
+            "progress": rn(lambda run, rid, q: {"id": rid, **run.progress()}),
         }
         return [
             Route("/", self.index, methods=["GET"]),
@@ -225,7 +225,7 @@ class Dashboard:
     def _progress(self, run_id: str) -> dict[str, Any]:
         try:
             with self.root.open(run_id) as run:
-                return {"id": run_id, **data.progress(run)}
+                return {"id": run_id, **run.progress()}
         except (data.NotFound, GradwatchError) as exc:
             return {"id": run_id, "error": str(exc) or "the run is gone"}
 
@@ -327,11 +327,10 @@ def _server(root: str | Path, host: str, poll: float) -> Any:
 
 def serve(root: str | Path, sock: socket.socket, *, host: str = "127.0.0.1", poll: float = POLL_RUN) -> None:
     """Serve the dashboard on a bound socket (from :func:`bind`) until interrupted (Ctrl-C ends it quietly)."""
-    with sock:
-        try:
-            _server(root, host, poll).run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped for
-            pass
+    try:
+        serve_socket(_server(root, host, poll), sock)
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped for
+        pass
 
 
 class Running:

@@ -179,8 +179,7 @@ class Group:
         first = bad[0] % n
         params_bad = sorted({i % n for i in bad})
         layer = owners[first]
-        worst = float(max(relative[i] for i in bad if math.isfinite(relative[i])) if any(
-            math.isfinite(relative[i]) for i in bad) else math.inf)
+        worst = max((float(relative[i]) for i in bad if math.isfinite(relative[i])), default=math.inf)
         message = (f"the model replicas differ across the {self.size} ranks at step {step}: "
                    f"{len(params_bad)} parameter(s) disagree, first in {layer or 'the model'} "
                    f"(relative difference {worst:.3g} > {self.tolerance:g})")

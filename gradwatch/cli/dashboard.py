@@ -8,8 +8,6 @@ import click
 
 from gradwatch.cli import cli
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
 
 @cli.command()
 @click.argument("root", default="runs", type=click.Path(path_type=Path))
@@ -22,7 +20,7 @@ def dashboard(root: Path, host: str, port: int) -> None:
     """Serve the live web dashboard of the runs under ROOT (default: runs) and print its URL."""
     if not root.is_dir():
         raise click.UsageError(f"no such folder: {str(root)!r}")
-    from gradwatch.dashboards.server import bind, serve, url
+    from gradwatch.dashboards.server import LOOPBACK, bind, serve, url
 
     sock = bind(host, port)
     click.echo(f"gradwatch dashboard: the runs under {root} at {url(host, sock.getsockname()[1])}  (Ctrl-C to stop)")

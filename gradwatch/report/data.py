@@ -166,9 +166,8 @@ def collect(run: Run, name: str | None = None) -> Report:
     last = int(steps_info["step"].max()) if len(steps_info) else -1
     first = int(steps_info["step"].min()) if len(steps_info) else 0
 
-    counts = {s: int((findings["severity"] == s).sum()) for s in ("info", "warning", "error")}
-    state = ("halted" if status == "halted" else "errors" if counts["error"] else
-             "warnings" if counts["warning"] else "healthy")
+    counts = summary.counts(findings)
+    state = summary.state(status, counts)
 
     grad_global = scalars["grad_norm"] if "grad_norm" in scalars else pd.Series(dtype=float)
     loss = scalars["loss"] if "loss" in scalars else None

@@ -61,6 +61,17 @@ def facts(run: Run, meta: dict[str, Any], status: str, steps_info: pd.DataFrame,
     return out
 
 
+def counts(findings: pd.DataFrame) -> dict[str, int]:
+    """Findings (``run.findings()``) counted by severity."""
+    return {s: int((findings["severity"] == s).sum()) for s in ("info", "warning", "error")}
+
+
+def state(status: str, counts: dict[str, int]) -> str:
+    """The run's verdict for people: ``halted``, ``errors``, ``warnings`` or ``healthy``."""
+    return ("halted" if status == "halted" else "errors" if counts["error"] else
+            "warnings" if counts["warning"] else "healthy")
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'s' * (n != 1)}"
 
