@@ -34,3 +34,7 @@ class GradwatchWarning(UserWarning):
 
 class InternalWarning(GradwatchWarning):
     """gradwatch failed inside a hook and detached itself; training went on unaffected."""
+
+
+class PluginWarning(GradwatchWarning):
+    """A plugin failed while training and is disabled for the rest of the run; training went on."""

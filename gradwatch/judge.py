@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -19,10 +20,11 @@ from rich.markup import escape
 from gradwatch import actions, detectors
 from gradwatch.actions import Control
 from gradwatch.config import Config
-from gradwatch.findings import Cooldown, Finding, rank
+from gradwatch.errors import PluginWarning, TrainingHalted
+from gradwatch.findings import SEVERITIES, Cooldown, Finding, rank
 from gradwatch.options import Options
 from gradwatch.records import StepRecord
-from gradwatch.rules import decide
+from gradwatch.rules import PRECEDENCE, decide
 from gradwatch.writer import Writer
 
 _STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
@@ -34,6 +36,10 @@ class Judge:
     def __init__(self, config: Config, options: Options, writer: Writer) -> None:
         self.rules = config.rules
         all_detectors = [d for d in detectors.build(options.detectors) if d.enabled]
+        #: plugins run guarded: one that raises (or returns something else than findings of its
+        #: kind) is disabled with a PluginWarning and the run goes on
+        self._guarded = {id(d) for d in all_detectors if detectors.plugin(d)}
+        self._plugin_actions = {r.do: actions.build(r.do) for r in config.rules or [] if r.do not in PRECEDENCE}
         self._now = [d for d in all_detectors if not d.late]
         self._late = [d for d in all_detectors if d.late]
         self.exploding = next((d for d in all_detectors if d.kind == "exploding"), None)
@@ -50,11 +56,29 @@ class Judge:
     # ---------------------------------------------------------------- checks
     def check(self, record: StepRecord) -> list[Finding]:
         """Run the per-step detectors on a record."""
-        return [f for d in self._now for f in d.check(record)]
+        return self._run(self._now, record)
 
     def check_late(self, record: StepRecord) -> list[Finding]:
         """Run the detectors that judge a step's applied update (one step later)."""
-        return [f for d in self._late for f in d.check(record)]
+        return self._run(self._late, record)
+
+    def _run(self, running: list[detectors.Detector], record: StepRecord) -> list[Finding]:
+        if not self._guarded:
+            return [f for d in running for f in d.check(record)]
+        out = []
+        for d in list(running):
+            if id(d) not in self._guarded:
+                out += d.check(record)
+                continue
+            try:
+                found = d.check(record)
+                _well_formed(d, record, found)
+            except Exception as exc:
+                running.remove(d)
+                _disabled(f"detector plugin {d.kind!r}", record.step, exc)
+                continue
+            out += found
+        return out
 
     def remember(self, record: StepRecord) -> None:
         """Keep a record in the flight recorder (records written without their per-layer rows)."""
@@ -87,6 +111,21 @@ class Judge:
         if relabelled:
             self._writer.submit_findings(relabelled)
         self._writer.flush()  # a finding is on disk before its action runs
+        for name in [a for a in decision.actions if a in self._plugin_actions]:
+            finding, rule = decision.actions[name][0]
+            try:
+                outcome = self._plugin_actions[name].apply(rule, finding, control)
+                if outcome is not None and not isinstance(outcome, dict):
+                    raise TypeError(f"apply() must return a dict or None, got {type(outcome).__name__}")
+            except TrainingHalted:  # the plugin halted training through the control: meant
+                raise
+            except Exception as exc:
+                del self._plugin_actions[name]
+                _disabled(f"action plugin {name!r}", record.step, exc)
+                continue
+            if outcome and finding.id is not None:
+                finding.data.setdefault("outcome", {}).update(outcome)
+                self._writer.submit_findings([finding])
         for action in ("clip", "scale_lr", "skip", "rollback", "halt"):
             if decision.runs(action):
                 finding, rule = decision.actions[action][0]
@@ -133,3 +172,22 @@ class Judge:
         """Counts of findings by severity and the worst severity seen."""
         return {"counts": dict(self.counts), "worst": self.worst}
 
+
+
+def _well_formed(detector: detectors.Detector, record: StepRecord, found: object) -> None:
+    """Raise TypeError unless a plugin detector returned a list of findings of its kind for the step."""
+    if not isinstance(found, list):
+        raise TypeError(f"check() must return a list of findings, got {type(found).__name__}")
+    for f in found:
+        ok = (isinstance(f, Finding) and f.kind == detector.kind and f.severity in SEVERITIES
+              and f.step == record.step and (f.layer is None or isinstance(f.layer, str))
+              and isinstance(f.message, str) and isinstance(f.data, dict))
+        if not ok:
+            raise TypeError(f"check() returned {f!r}; a finding must be made with self.finding(record, severity, "
+                            f"layer, message) (kind {detector.kind!r}, step {record.step})")
+
+
+def _disabled(what: str, step: int, exc: Exception) -> None:
+    warnings.warn(f"gradwatch: {what} failed at step {step} ({type(exc).__name__}: {exc}) and is disabled "
+                  "for the rest of the run; training and the other detectors and actions go on",
+                  PluginWarning, stacklevel=2)

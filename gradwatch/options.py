@@ -49,6 +49,8 @@ class Options:
         prometheus: export metrics for Prometheus (needs ``prometheus_client``): None/False
             (off), True (port 9108), a port number, or a mapping with ``port``, ``addr``,
             ``per_layer``, ``max_layers`` and ``registry``; see :func:`prometheus_settings`.
+        sinks: installed sink plugins that also receive the run's records (see
+            :mod:`gradwatch.plugins`): a list of names, or ``{name: {setting: value}}``.
     """
 
     log_every: int = 1
@@ -69,6 +71,7 @@ class Options:
     replica_check_every: int = 100
     replica_tolerance: float = 1e-5
     prometheus: Any = None
+    sinks: Any = None
 
     @property
     def sample_period(self) -> int:
@@ -122,6 +125,10 @@ class Options:
                 or not 0 < self.flush_seconds < math.inf):
             raise ConfigError(f"option flush_seconds must be a finite positive number, got {self.flush_seconds!r}")
         prometheus_settings(self.prometheus)
+        for name in sink_settings(self.sinks):
+            from gradwatch import plugins
+
+            plugins.load("sink", name)
         every = self.replica_check_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ConfigError(f"option replica_check_every must be a non-negative integer (0: never), got {every!r}")
@@ -201,6 +208,34 @@ def prometheus_settings(value: Any) -> dict[str, Any] | None:
     if importlib.util.find_spec("prometheus_client") is None:
         raise ConfigError(f"option prometheus needs the prometheus_client package: {PROMETHEUS_INSTALL}")
     return {"port": port, "addr": addr, "per_layer": per_layer, "max_layers": max_layers, "registry": registry}
+
+
+def sink_settings(value: Any) -> dict[str, dict[str, Any]]:
+    """The ``sinks`` option as ``{plugin name: settings}`` (empty when there are none).
+
+    Raises:
+        ConfigError: not a list of names or a mapping of names to tables of settings.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        out = {}
+        for name, settings in value.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"option sinks: a sink name must be a non-empty string, got {name!r}")
+            if settings is None:
+                settings = {}
+            if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
+                raise ConfigError(f"option sinks: the settings of sink {name!r} must be a table of "
+                                  f"setting = value, got {settings!r}")
+            out[name] = dict(settings)
+        return out
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
+        if len(set(value)) != len(value):
+            raise ConfigError(f"option sinks names a sink twice: {list(value)!r}")
+        return {name: {} for name in value}
+    raise ConfigError("option sinks must be a list of sink plugin names, or a mapping "
+                      f"{{name: {{setting: value}}}}, got {value!r}")
 
 
 def _positive_int(name: str, value: Any) -> None:

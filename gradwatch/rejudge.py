@@ -105,6 +105,17 @@ def _prepare(record: StepRecord, origins: Mapping[int, dict[str, Any]]) -> StepR
     return record
 
 
+def _check(detector: detectors.Detector, record: StepRecord) -> list[Finding]:
+    """A detector's findings; a plugin detector that fails is one clear error, not a traceback."""
+    if not detectors.plugin(detector):
+        return detector.check(record)
+    try:
+        return detector.check(record)
+    except Exception as exc:
+        raise ConfigError(f"detector plugin {detector.kind!r} failed at step {record.step}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+
+
 def rejudge(run: Run, rules: str | Path | None = None) -> pd.DataFrame:
     """Findings of ``run`` re-computed by the detectors with another rules file's settings.
 
@@ -128,7 +139,7 @@ def rejudge(run: Run, rules: str | Path | None = None) -> pd.DataFrame:
     for record in run.records():
         record = _prepare(record, origins)
         for group in (now, late):
-            found = [f for d in group for f in d.check(record)]
+            found = [f for d in group for f in _check(d, record)]
             if not found:
                 continue
             decide(config.rules or [], found).label(record_only=config.rules is None)

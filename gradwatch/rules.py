@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradwatch import plugins
 from gradwatch.errors import ConfigError
 from gradwatch.findings import KINDS, SEVERITIES, Finding, rank
 
@@ -37,15 +38,17 @@ class Rule:
     """A finding kind (optionally narrowed) -> an action with its parameters.
 
     Args:
-        when: a finding kind, or ``"*"`` for every kind.
-        do: ``warn``, ``clip``, ``skip``, ``rollback``, ``scale_lr`` or ``halt``.
+        when: a finding kind (a detector plugin's too), or ``"*"`` for every kind.
+        do: ``warn``, ``clip``, ``skip``, ``rollback``, ``scale_lr``, ``halt``, or the name of
+            an installed action plugin (see :mod:`gradwatch.plugins`).
         severity: only findings at least this severe (``info``, ``warning``, ``error``).
         layer: only findings whose layer matches this glob (e.g. ``"encoder.*"``).
         above: only findings whose value is above this number.
         below: only findings whose value is below this number.
         **params: the action's parameters: ``clip``: ``max_norm`` (omit for adaptive);
             ``skip``: ``max_consecutive`` (halt after that many skipped steps in a row, 0 never);
-            ``rollback``: ``skip_batches``, ``lr_scale``, ``max_rollbacks``; ``scale_lr``: ``factor``.
+            ``rollback``: ``skip_batches``, ``lr_scale``, ``max_rollbacks``; ``scale_lr``: ``factor``;
+            a plugin: those its ``params`` declare.
 
     Raises:
         ConfigError: an unknown kind, action, severity or parameter, or a wrong type.
@@ -82,7 +85,7 @@ class Rule:
 
     def param(self, name: str) -> Any:
         """An action parameter, or its default."""
-        return self.params.get(name, ACTIONS[self.do][name][1])
+        return self.params.get(name, action_params(self.do)[name][1])
 
     def __repr__(self) -> str:
         fields = [f"when={self.when!r}", f"do={self.do!r}"]
@@ -95,6 +98,39 @@ def _choices(values: Iterable[str]) -> str:
     return ", ".join(values)
 
 
+def action_params(do: str, where: str = "rules") -> dict[str, tuple[type, Any]]:
+    """The parameters of an action, ``{name: (type, default or REQUIRED)}``: a built-in one's, or
+    an installed action plugin's ``params`` (the plugin is loaded now).
+
+    Raises:
+        ConfigError: no such action, or a plugin that fails to load or declares bad parameters.
+    """
+    if isinstance(do, str) and do in ACTIONS:
+        return ACTIONS[do]
+    if not isinstance(do, str) or not plugins.exists("action", do):
+        valid = [*ACTIONS, *plugins.names("action")]
+        raise ConfigError(f"{where}: field 'do': unknown action {do!r}; valid actions are: {_choices(valid)}")
+    from gradwatch.actions import Action
+
+    try:
+        cls = plugins.load("action", do, Action)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: field 'do': {exc}") from exc
+    params = getattr(cls, "params", {})
+    ok = cls.name == do and isinstance(params, Mapping) and all(
+        isinstance(k, str) and k not in MATCH_FIELDS and isinstance(v, tuple) and len(v) == 2
+        and v[0] in (int, float, str, bool) for k, v in params.items())
+    if not ok:
+        raise ConfigError(f"action plugin {do!r} must have name = {do!r} and params = {{name: (type, default)}} "
+                          f"with types int, float, str or bool; got name {cls.name!r}, params {params!r}")
+    return dict(params)
+
+
+def finding_kinds() -> list[str]:
+    """Every finding kind a rule may name: gradwatch's own and those of installed detector plugins."""
+    return [*KINDS, *(k for k in plugins.names("detector") if k not in KINDS)]
+
+
 def _validate(table: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Check one rule given as data; returns it with numbers normalised."""
     if not isinstance(table, Mapping):
@@ -105,13 +141,11 @@ def _validate(table: Mapping[str, Any], where: str) -> dict[str, Any]:
                 f"{where}: missing field {key!r}; a rule needs 'when' (a finding kind) and 'do' (an action)")
     out: dict[str, Any] = {}
     when, do = table["when"], table["do"]
-    if not isinstance(when, str) or when not in (*KINDS, "*"):
+    if not isinstance(when, str) or (when not in (*KINDS, "*") and not plugins.exists("detector", when)):
         raise ConfigError(
-            f"{where}: field 'when': unknown finding kind {when!r}; valid kinds are: {_choices(KINDS)}, *")
-    if not isinstance(do, str) or do not in ACTIONS:
-        raise ConfigError(f"{where}: field 'do': unknown action {do!r}; valid actions are: {_choices(ACTIONS)}")
+            f"{where}: field 'when': unknown finding kind {when!r}; valid kinds are: {_choices(finding_kinds())}, *")
+    params = action_params(do, where)
     out["when"], out["do"] = when, do
-    params = ACTIONS[do]
     for key, value in table.items():
         if key in ("when", "do"):
             continue
@@ -126,7 +160,7 @@ def _validate(table: Mapping[str, Any], where: str) -> dict[str, Any]:
         elif key in ("above", "below"):
             value = _number(where, key, value, float)
         elif key in params:
-            value = _number(where, key, value, params[key][0])
+            value = _value(where, key, value, params[key][0])
             if key in ("factor", "lr_scale", "max_norm") and value <= 0:
                 raise ConfigError(f"{where}: field {key!r} must be greater than 0, got {value!r}")
         else:
@@ -137,6 +171,15 @@ def _validate(table: Mapping[str, Any], where: str) -> dict[str, Any]:
         if default is REQUIRED and key not in out:
             raise ConfigError(f"{where}: action {do!r} needs field {key!r}")
     return out
+
+
+def _value(where: str, key: str, value: Any, kind: type) -> Any:
+    if kind in (int, float):
+        return _number(where, key, value, kind)
+    if not isinstance(value, kind) or (kind is str and not value):
+        expected = "true or false" if kind is bool else "a non-empty string"
+        raise ConfigError(f"{where}: field {key!r} must be {expected}, got {value!r}")
+    return value
 
 
 def _number(where: str, key: str, value: Any, kind: type) -> Any:
@@ -190,6 +233,8 @@ class Decision:
         """Whether ``action`` runs this step (clip/scale_lr yield to skip, rollback and halt)."""
         if action not in self.actions:
             return False
+        if action not in PRECEDENCE:  # a plugin action runs beside the built-in one
+            return True
         if action in ("clip", "scale_lr"):
             return self.main in ("clip", "scale_lr", "warn")
         return action == self.main

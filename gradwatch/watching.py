@@ -7,6 +7,7 @@ import functools
 import logging
 import math
 import numbers
+import shutil
 import time
 import warnings
 import weakref
@@ -30,6 +31,7 @@ from gradwatch.options import Options
 from gradwatch.origin import Tracker
 from gradwatch.probe import Probe
 from gradwatch.records import StepRecord
+from gradwatch.sinks import plugin_sinks
 from gradwatch.sinks.store import Store
 from gradwatch.snapshots import Snapshots, rng_state
 from gradwatch.store.writer import create_store, default_meta
@@ -121,6 +123,7 @@ class Watcher:
 
             # binds the port first: a port in use fails gw.watch with a clear error and no run written
             sinks.append(sink_for(options.prometheus, run=run_dir.name, model=meta["model"]))
+        fresh = not run_dir.exists()
         try:
             if self.writes:
                 if self._group is not None:
@@ -130,9 +133,13 @@ class Watcher:
                 from gradwatch.sinks.tensorboard import TensorBoard
 
                 sinks.append(TensorBoard(run_dir))
+            if self.writes:
+                sinks += plugin_sinks(options.sinks, run_dir)
         except BaseException:
             for sink in sinks:
                 sink.close("crashed")
+            if fresh and self.writes:  # nothing half-written is left behind: the run never started
+                shutil.rmtree(run_dir, ignore_errors=True)
             raise
         self._writer = Writer(
             sinks, queue_size=options.queue_size, flush_seconds=options.flush_seconds, name=run_dir.name

@@ -4,11 +4,16 @@ An action only acts, through the :class:`~gradwatch.control.Control` of the trai
 (a plain loop here; Lightning and the HF Trainer adapt it in ``gradwatch.integrations``). Every
 action runs inside the optimizer's step pre-hook, before the update is applied, and after its
 findings are on disk. :meth:`Action.apply` returns what it did, as plain data for the findings.
+
+Third-party actions come from the ``gradwatch.actions`` entry-point group (see
+:mod:`gradwatch.plugins`): an :class:`Action` subclass whose ``name`` is its entry point's name,
+with its rule parameters in ``params``. A rule names it with ``do``; it runs beside the step's
+built-in action (before it), once per step, with the first finding that called for it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from gradwatch.findings import Finding
 from gradwatch.rules import Rule
@@ -36,9 +41,17 @@ class Control(Protocol):
 
 
 class Action:
-    """Base of every action: ``apply`` one rule's call to the step's training."""
+    """Base of every action: ``apply`` one rule's call to the step's training.
 
-    name = ""
+    Attributes:
+        name: what rules call it (``do=name``).
+        params: the rule parameters it takes, ``{name: (type, default)}`` with type ``int``,
+            ``float``, ``str`` or ``bool`` and default :data:`gradwatch.rules.REQUIRED` for one
+            a rule must give; read them with ``rule.param(name)``.
+    """
+
+    name: ClassVar[str] = ""
+    params: ClassVar[dict[str, tuple[type, Any]]] = {}
 
     def apply(self, rule: Rule | None, finding: Finding, control: Control) -> dict[str, Any]:
         """Act on the step; returns details recorded with the finding."""
@@ -55,3 +68,21 @@ def _registry() -> dict[str, Action]:
 
 
 REGISTRY: dict[str, Action] = _registry()
+
+
+def build(name: str) -> Action:
+    """The action a rule names: a built-in one, or a new instance of an installed plugin.
+
+    Raises:
+        ConfigError: no such action, or a plugin that fails to load or to build.
+    """
+    if name in REGISTRY:
+        return REGISTRY[name]
+    from gradwatch import plugins
+    from gradwatch.errors import ConfigError
+
+    cls = plugins.load("action", name, Action)
+    try:
+        return cls()
+    except Exception as exc:  # the plugin's own __init__
+        raise ConfigError(f"action plugin {name!r} failed to build: {type(exc).__name__}: {exc}") from exc

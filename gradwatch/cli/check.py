@@ -143,7 +143,7 @@ def render_junit(results: list[Checked]) -> str:
             ET.SubElement(read, "error", message=res.error, type="RunError").text = res.error
             cases["errors"] += 1
         else:
-            for kind in KINDS:
+            for kind in [*KINDS, *sorted({f.kind for f in res.failing} - set(KINDS))]:  # plugin kinds too
                 case = ET.SubElement(suite, "testcase", classname=classname, name=kind, time="0")
                 cases["tests"] += 1
                 bad = [f for f in res.failing if f.kind == kind]

@@ -4,6 +4,10 @@ A detector only observes: :meth:`Detector.check` takes a :class:`~gradwatch.reco
 (plain numbers) and returns findings. It keeps whatever history it needs itself. Its tunable
 settings are its dataclass fields, set from ``detectors={kind: {field: value}}`` or a
 ``[detectors.<kind>]`` table in a config file.
+
+Third-party detectors come from the ``gradwatch.detectors`` entry-point group (see
+:mod:`gradwatch.plugins`): a :class:`Detector` dataclass whose ``kind`` is its entry point's name,
+run when the settings name it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from gradwatch import plugins
 from gradwatch.errors import ConfigError
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
@@ -70,29 +75,58 @@ def _registry() -> dict[str, type[Detector]]:
 REGISTRY: dict[str, type[Detector]] = _registry()
 
 
+def lookup(kind: str, where: str = "detectors") -> type[Detector]:
+    """The detector class of a kind: a built-in one, or an installed plugin (loaded now).
+
+    Raises:
+        ConfigError: no such detector, or a plugin that fails to load or is not a Detector
+            dataclass of that kind.
+    """
+    if isinstance(kind, str) and kind in REGISTRY:
+        return REGISTRY[kind]
+    if not isinstance(kind, str) or not plugins.exists("detector", kind):
+        valid = [*REGISTRY, *plugins.names("detector")]
+        raise ConfigError(f"{where}: unknown detector {kind!r}; valid detectors are: {', '.join(valid)}")
+    cls: type[Detector] = plugins.load("detector", kind, Detector)
+    if cls.kind != kind or not dataclasses.is_dataclass(cls):
+        raise ConfigError(f"{where}: detector plugin {kind!r} must be a @dataclass subclass of "
+                          f"gradwatch.detectors.Detector with kind = {kind!r}, got {cls.__qualname__} "
+                          f"with kind {cls.kind!r}")
+    return cls
+
+
+def plugin(detector: Detector) -> bool:
+    """Whether a detector comes from a plugin rather than being one of gradwatch's own."""
+    return REGISTRY.get(detector.kind) is not type(detector)
+
+
 def settings(kind: str) -> dict[str, Any]:
     """The tunable settings of a detector and their defaults."""
-    return {f.name: f.default for f in dataclasses.fields(REGISTRY[kind]) if f.init}
+    return {f.name: f.default for f in dataclasses.fields(lookup(kind)) if f.init}
 
 
 def build(config: Mapping[str, Mapping[str, Any]] | None = None, *, where: str = "detectors") -> list[Detector]:
-    """One instance of every detector, with the settings of ``config`` applied.
+    """One instance of every built-in detector, and of every plugin detector ``config`` names,
+    with the settings of ``config`` applied.
 
     Raises:
-        ConfigError: an unknown detector or setting, or a value of the wrong type.
+        ConfigError: an unknown detector or setting, a value of the wrong type, or a plugin that
+            fails to load or to build.
     """
     config = dict(config or {})
-    for kind in config:
-        if kind not in REGISTRY:
-            raise ConfigError(f"{where}: unknown detector {kind!r}; valid detectors are: {', '.join(REGISTRY)}")
+    classes = {**REGISTRY, **{kind: lookup(kind, where) for kind in config}}
     out = []
-    for kind, cls in REGISTRY.items():
+    for kind, cls in classes.items():
         params = config.get(kind)
         params = {} if params is None else params
         if not isinstance(params, Mapping):
             raise ConfigError(f"{where}.{kind} must be a table of settings, got {params!r}")
-        out.append(cls(**{name: check_type(f"{where}.{kind}", name, value, settings(kind))
-                          for name, value in params.items()}))
+        values = {name: check_type(f"{where}.{kind}", name, value, settings(kind)) for name, value in params.items()}
+        try:
+            out.append(cls(**values))
+        except Exception as exc:  # only a plugin's own __init__ / __post_init__ can fail here
+            raise ConfigError(f"{where}.{kind}: detector plugin {kind!r} failed to build: "
+                              f"{type(exc).__name__}: {exc}") from exc
     return out
 
 

@@ -1,9 +1,17 @@
-"""Sinks: where step records go (run store, TensorBoard ...), all called from the writer thread."""
+"""Sinks: where step records go (run store, TensorBoard ...), all called from the writer thread.
+
+Third-party sinks come from the ``gradwatch.sinks`` entry-point group (see
+:mod:`gradwatch.plugins`) and are named by the ``sinks`` option: a class built as
+``Sink(run_dir, **settings)`` with the methods of :class:`Sink` (``write_findings`` and
+``write_meta`` optional). A sink that raises is disabled for the rest of the run and logged;
+training and the other sinks go on.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from gradwatch.records import StepRecord
 
@@ -16,3 +24,32 @@ class Sink(Protocol):
 
     def close(self, status: str) -> None:
         """Flush and release resources; ``status`` is the run's final status."""
+
+
+def plugin_sinks(option: Any, run_dir: Path) -> list[Any]:
+    """Build the sink plugins the ``sinks`` option names, each with its settings.
+
+    Raises:
+        ConfigError: a plugin that fails to load, lacks ``write``/``close`` or fails to build
+            (those built before it are closed).
+    """
+    from gradwatch import plugins
+    from gradwatch.errors import ConfigError
+    from gradwatch.options import sink_settings
+
+    built: list[Any] = []
+    try:
+        for name, settings in sink_settings(option).items():
+            cls = plugins.load("sink", name)
+            if not callable(cls) or not all(callable(getattr(cls, m, None)) for m in ("write", "close")):
+                raise ConfigError(f"sink plugin {name!r} must be a class with write(records) and close(status) "
+                                  f"methods, got {cls!r}")
+            try:
+                built.append(cls(run_dir, **settings))
+            except Exception as exc:  # the plugin's own __init__, e.g. a setting it does not take
+                raise ConfigError(f"sink plugin {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
+    except BaseException:
+        for sink in built:
+            sink.close("crashed")
+        raise
+    return built
