@@ -48,6 +48,16 @@ of the median of the per-round differences of the two ratios: when the added cos
 interval reaches 0, it is printed as "within noise (<= x%)", x being the interval's upper end (at
 least its half-width), and the quotient is taken against x -- a lower bound, said as "at least".
 
+``--attribute N`` measures where gradwatch's own time goes, a figure that machine noise does not
+drown: per workload, a loop watched at default settings trains N steps (after warm-up, in
+blocks interleaved with a bare loop) with a timer around each of gradwatch's entry points in the
+training thread (its forward, backward and optimizer hooks, the activation hooks, ``observe``)
+and around the detectors and rule engine (``Judge.check``, ``check_late``, ``step``) and
+non-finite origin tracking (``Tracker.capture``, ``output_grad``, ``clear``, ``find``); the
+writer thread's CPU time is read from the OS. Reported per step in ms and as a fraction of the
+bare step: all of gradwatch's training-thread time, its parts, and the writer thread. (The
+timers themselves add about a microsecond per call.)
+
 ``--rss-steps N`` first trains the gpt workload for N steps with gradwatch at default settings and
 samples the process RSS every 100 steps, to show that memory is flat after warm-up. For every
 gradwatch run the size of its run store (SQLite file plus TensorBoard event files) per 1,000
@@ -59,17 +69,20 @@ Run it with::
     python benchmarks/overhead.py --workloads mlp,cnn --rounds 3   # a quick check
     python benchmarks/overhead.py --variants gradwatch,gradwatch_no_origin,anomaly --json out.json
     python benchmarks/overhead.py --workloads gpt --rounds 1 --rss-steps 2000 --json out.json
+    python benchmarks/overhead.py --rounds 0 --attribute 500         # where gradwatch's time goes
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -84,7 +97,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 import gradwatch as gw
-from gradwatch import detectors
+from gradwatch import detectors, judge, origin, probe, watching
 
 SEED = 0
 #: distinct batches per workload, generated once and cycled through by every variant
@@ -450,6 +463,128 @@ def rss_run(steps: int, root: Path, console: Console) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------- attribution
+#: gradwatch's entry points in the training thread (outermost calls are timed)
+ENTRY_POINTS = [(probe.Probe, "_forward_pre"), (probe.Probe, "_forward_post"), (probe.Probe, "_output_grad"),
+                (watching.Watcher, "_backward_done"), (watching.Watcher, "_step_pre"),
+                (watching.Watcher, "_step_post"), (watching.Watcher, "_signalled_step"),
+                (watching.Watcher, "observe")]
+#: the parts broken out of the entry points' time
+PARTS = {
+    "detectors, rules and actions": [(judge.Judge, "check"), (judge.Judge, "check_late"), (judge.Judge, "step")],
+    "origin tracking": [(origin.Tracker, "capture"), (origin.Tracker, "output_grad"), (origin.Tracker, "clear"),
+                        (origin.Tracker, "find")],
+}
+
+
+@contextlib.contextmanager
+def timers() -> Iterator[dict[str, float]]:
+    """Time gradwatch's training-thread entry points (outermost calls) and PARTS, in seconds.
+
+    Must be entered before ``gw.watch``: hooks are bound when they are registered.
+    """
+    totals = {"gradwatch (training thread)": 0.0, **{part: 0.0 for part in PARTS}}
+    depth = [0]
+    saved: list[tuple[type, str, Any]] = []
+
+    def wrap(cls: type, name: str, key: str, outermost: bool) -> None:
+        original = cls.__dict__[name]
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if outermost and depth[0]:
+                return original(*args, **kwargs)
+            depth[0] += outermost
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[key] += time.perf_counter() - start
+                depth[0] -= outermost
+
+        saved.append((cls, name, original))
+        setattr(cls, name, timed)
+
+    for cls, name in ENTRY_POINTS:
+        wrap(cls, name, "gradwatch (training thread)", True)
+    for part, methods in PARTS.items():
+        for cls, name in methods:
+            wrap(cls, name, part, False)
+    make_hook = probe.Probe.__dict__["_activation_hook"]
+
+    def activation_hook(self: probe.Probe, index: int, limits: Any) -> Callable[..., None]:
+        hook = make_hook(self, index, limits)
+
+        def timed(*args: Any) -> None:
+            start = time.perf_counter()
+            hook(*args)
+            totals["gradwatch (training thread)"] += time.perf_counter() - start
+
+        return timed
+
+    saved.append((probe.Probe, "_activation_hook", make_hook))
+    probe.Probe._activation_hook = activation_hook  # type: ignore[method-assign]
+    try:
+        yield totals
+    finally:
+        for cls, name, original in reversed(saved):
+            setattr(cls, name, original)
+
+
+def _thread_cpu(native_id: int) -> float:
+    """CPU seconds (user + system) of one thread of this process."""
+    return next((t.user_time + t.system_time for t in psutil.Process().threads() if t.id == native_id), 0.0)
+
+
+def attribute(name: str, workload: Workload, steps: int, root: Path, console: Console) -> dict[str, Any]:
+    """Where gradwatch's time goes on one workload: per-step ms of its parts, and of a bare step."""
+    batches = workload.batches()
+    bare = make_loop(workload, batches)
+    with timers() as totals:
+        watched = make_loop(workload, batches)
+        with_gradwatch(watched, root / f"{name}-attribution")
+        try:
+            bare.run(WARMUP)
+            watched.run(WARMUP_WATCHED)
+            writer = next(t for t in threading.enumerate() if t.name.startswith("gradwatch-writer-")
+                          and t.name.endswith(f"{name}-attribution"))
+            assert writer.native_id is not None
+            for key in totals:
+                totals[key] = 0.0
+            cpu_before, bare_seconds, done = _thread_cpu(writer.native_id), 0.0, 0
+            block = workload.steps
+            while done < steps:
+                n = min(block, steps - done)
+                bare_seconds += bare.run(n)
+                watched.run(n)
+                done += n
+            writer_cpu = _thread_cpu(writer.native_id) - cpu_before
+        finally:
+            watched.close()
+    step_ms = 1000 * bare_seconds / steps
+    parts = {key: 1000 * value / steps for key, value in totals.items()}
+    own = parts["gradwatch (training thread)"]
+    parts = {"gradwatch (training thread)": own,
+             "statistics (hooks, reductions, the host read, records)": own - sum(parts[p] for p in PARTS),
+             **{p: parts[p] for p in PARTS},
+             "writer thread (CPU)": 1000 * writer_cpu / steps}
+    console.log(f"{name} attribution: bare step {step_ms:.2f} ms; gradwatch training thread {own:.3f} ms/step")
+    return {"workload": name, "steps": steps, "bare_ms_per_step": step_ms, "ms_per_step": parts}
+
+
+def attribution_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="Where gradwatch's time goes (default settings): ms per step, and % of a bare step")
+    table.add_column("workload")
+    table.add_column("bare step", justify="right")
+    for part in rows[0]["ms_per_step"]:
+        table.add_column(part, justify="right")
+    for row in rows:
+        bare = row["bare_ms_per_step"]
+        table.add_row(row["workload"], f"{bare:.2f} ms",
+                      *(f"{ms:.3f} ms\n{ms / bare:.1%}" for ms in row["ms_per_step"].values()))
+    return table
+
+
 # ------------------------------------------------------------------ report
 def _verdict(ok: bool) -> str:
     return "[green]PASS[/green]" if ok else "[red]FAIL[/red]"
@@ -596,6 +731,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         + " (default: all; bare is always measured, it is the baseline)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per workload (default: 5 gpt, 11 mlp, 9 cnn)")
     parser.add_argument("--steps", type=int, help="steps per block (default: 10 gpt, 50 mlp, 20 cnn)")
+    parser.add_argument("--attribute", type=int, default=0, metavar="N",
+                        help="also time gradwatch's parts over N steps per workload (default: 0, skip)")
     parser.add_argument("--rss-steps", type=int, default=0,
                         help="first train the gpt workload watched for N steps, sampling the RSS (default: 0, skip)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
@@ -610,11 +747,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     args.variants = [v for v in VARIANTS if v in chosen or v == "bare"]
-    for name in ("rounds", "steps"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.rss_steps < 0:
-        parser.error("--rss-steps must not be negative")
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if args.rounds is not None and args.rounds < 0:
+        parser.error("--rounds must not be negative (0: only the attribution or the RSS run)")
+    for name in ("rss_steps", "attribute"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative")
     return args
 
 
@@ -628,12 +767,19 @@ def main(argv: list[str] | None = None) -> None:
         root = Path(tmp)
         rss = rss_run(args.rss_steps, root, console) if args.rss_steps else None
         results: list[Result] = []
+        attribution: list[dict[str, Any]] = []
         for name in args.workloads:
             workload = WORKLOADS[name]
-            results += measure(name, workload, args.variants, args.rounds or workload.rounds,
-                               args.steps or workload.steps, root, console)
+            if args.rounds != 0:
+                results += measure(name, workload, args.variants, args.rounds or workload.rounds,
+                                   args.steps or workload.steps, root, console)
+            if args.attribute:
+                attribution.append(attribute(name, workload, args.attribute, root, console))
     checks = targets(results)
-    console.print(results_table(results, checks))
+    if results:
+        console.print(results_table(results, checks))
+    if attribution:
+        console.print(attribution_table(attribution))
     stores = [(f"{r.workload} {r.variant}", r.store) for r in results if r.store is not None]
     if rss is not None:
         stores.append((f"gpt gradwatch, {rss['steps']}-step RSS run", rss["store"]))
@@ -659,7 +805,7 @@ def main(argv: list[str] | None = None) -> None:
         console.print("(origin-vs-anomaly summary skipped: it needs the variants gradwatch, gradwatch_no_origin "
                       "and anomaly)")
     if args.json is not None:
-        report.update(results=[r.to_dict() for r in results], targets=checks, rss=rss,
+        report.update(results=[r.to_dict() for r in results], targets=checks, rss=rss, attribution=attribution,
                       origin_vs_anomaly=summary, unhealthy_runs=unhealthy)
         args.json.write_text(json.dumps(report, indent=2))
         console.print(f"wrote {args.json}")

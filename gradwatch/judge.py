@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from gradwatch.findings import SEVERITIES, Cooldown, Finding, rank
 from gradwatch.options import Options
 from gradwatch.records import StepRecord
 from gradwatch.rules import PRECEDENCE, decide
+from gradwatch.store.writer import finding_json
 from gradwatch.writer import Writer
 
 _STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
@@ -72,7 +74,7 @@ class Judge:
                 continue
             try:
                 found = d.check(record)
-                _well_formed(d, record, found)
+                well_formed(d, record, found)
             except Exception as exc:
                 running.remove(d)
                 _disabled(f"detector plugin {d.kind!r}", record.step, exc)
@@ -117,6 +119,7 @@ class Judge:
                 outcome = self._plugin_actions[name].apply(rule, finding, control)
                 if outcome is not None and not isinstance(outcome, dict):
                     raise TypeError(f"apply() must return a dict or None, got {type(outcome).__name__}")
+                finding_json(outcome or {})
             except TrainingHalted:  # the plugin halted training through the control: meant
                 raise
             except Exception as exc:
@@ -173,18 +176,24 @@ class Judge:
         return {"counts": dict(self.counts), "worst": self.worst}
 
 
-
-def _well_formed(detector: detectors.Detector, record: StepRecord, found: object) -> None:
-    """Raise TypeError unless a plugin detector returned a list of findings of its kind for the step."""
+def well_formed(detector: detectors.Detector, record: StepRecord, found: object) -> None:
+    """Raise TypeError unless a detector returned a list of findings of its kind for the step,
+    each with a number or None as ``value`` and ``data`` the store can keep (JSON).
+    """
     if not isinstance(found, list):
         raise TypeError(f"check() must return a list of findings, got {type(found).__name__}")
     for f in found:
         ok = (isinstance(f, Finding) and f.kind == detector.kind and f.severity in SEVERITIES
               and f.step == record.step and (f.layer is None or isinstance(f.layer, str))
-              and isinstance(f.message, str) and isinstance(f.data, dict))
+              and isinstance(f.message, str) and isinstance(f.data, dict)
+              and (f.value is None or (isinstance(f.value, numbers.Real) and not isinstance(f.value, bool))))
         if not ok:
             raise TypeError(f"check() returned {f!r}; a finding must be made with self.finding(record, severity, "
-                            f"layer, message) (kind {detector.kind!r}, step {record.step})")
+                            f"layer, message, value=<number or None>, data=<dict>) (kind {detector.kind!r}, "
+                            f"step {record.step})")
+        finding_json(f.data)
+
+
 
 
 def _disabled(what: str, step: int, exc: Exception) -> None:

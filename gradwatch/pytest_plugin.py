@@ -479,3 +479,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     noun = "run" if len(settings.written) == 1 else "runs"
     terminalreporter.write_sep("-", "gradwatch")
     terminalreporter.write_line(f"{len(settings.written)} {noun} kept in {settings.runs}")
+
+
+@pytest.fixture(scope="session")
+def gradwatch_healthy_records(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """The step records of a healthy training run, for the contracts of :mod:`gradwatch.testing`."""
+    from gradwatch.testing import healthy_records
+
+    return healthy_records(tmp_path_factory.mktemp("gradwatch-healthy") / "run")

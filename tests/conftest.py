@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -79,19 +78,3 @@ def browser():  # type: ignore[no-untyped-def]
         yield chromium
         chromium.close()
 
-
-@pytest.fixture(scope="session")
-def healthy_records(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
-    """The step records of a healthy run (zoo's Tanh MLP with Adam on spirals), read back from its store."""
-    from . import zoo
-
-    case = zoo.CASES["tanh_mlp_adam"]
-    path = tmp_path_factory.mktemp("healthy") / "run"
-    model, optimizer, scheduler = case.build()
-    gw.watch(model, run=path, rules=None, console=False, tensorboard=False)
-    watcher = gw.watcher(model)
-    zoo.run(case, model=model, optimizer=optimizer, scheduler=scheduler,
-            observe=lambda loss: watcher.observe(loss=loss))
-    gw.unwatch(model)
-    with gw.open_run(path) as run:
-        return list(run.records())

@@ -1,4 +1,4 @@
-"""Every built-in detector, action and sink against the shared contracts (tests/contracts.py)."""
+"""Every built-in detector, action and sink against the shared contracts (gradwatch.testing)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from gradwatch.detectors import (
 from gradwatch.sinks.store import Store
 from gradwatch.sinks.tensorboard import TensorBoard
 from gradwatch.store.writer import create_store, default_meta
-
-from .contracts import ActionContract, DetectorContract, SinkContract
+from gradwatch.testing import ActionContract, DetectorContract, SinkContract
 
 
 class TestNonFinite(DetectorContract):

@@ -25,8 +25,7 @@ from gradwatch.actions import Action
 from gradwatch.detectors import Detector
 from gradwatch.report import render
 from gradwatch.rules import DEFAULT_RULES
-
-from .contracts import ActionContract, DetectorContract, SinkContract
+from gradwatch.testing import ActionContract, DetectorContract, SinkContract
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plugin_package"
 MODULE = "gradwatch_example_plugins"
@@ -73,6 +72,12 @@ class BadFindings(Detector):
     def check(self, record):
         return "not a list"
 
+@dataclass
+class BadData(Detector):
+    kind = "bad_data"
+    def check(self, record):
+        return [self.finding(record, "warning", None, "data the store cannot keep", data={(1, 2): "a tuple key"})]
+
 class ExplodingAction(Action):
     name = "explodes"
     def apply(self, rule, finding, control):
@@ -101,6 +106,7 @@ cannot_import = broken_plugins_missing:Nope
 explodes = broken_plugins:Explodes
 wrong_kind = broken_plugins:WrongKind
 bad_findings = broken_plugins:BadFindings
+bad_data = broken_plugins:BadData
 
 [gradwatch.actions]
 explodes = broken_plugins:ExplodingAction
@@ -272,14 +278,16 @@ def test_a_detector_plugin_that_raises_is_disabled_and_the_built_ins_go_on(
     broken_plugins: Path, tmp_path: Path
 ) -> None:
     model, x, y = regression()
-    gw.watch(model, run=tmp_path / "run", console=False, detectors={"explodes": {}, "bad_findings": {}})
+    gw.watch(model, run=tmp_path / "run", console=False,
+             detectors={"explodes": {}, "bad_findings": {}, "bad_data": {}})
     with pytest.warns(gw.PluginWarning) as caught:
         train(model, x, y, steps=10, nan_at=(6,))
     gw.unwatch(model)
-    messages = [str(w.message) for w in caught if issubclass(w.category, gw.PluginWarning)]
-    assert len(messages) == 2
-    assert "detector plugin 'bad_findings' failed at step 0 (TypeError" in messages[0]
-    assert "detector plugin 'explodes' failed at step 3 (RuntimeError: plugin bug)" in messages[1]
+    messages = sorted(str(w.message) for w in caught if issubclass(w.category, gw.PluginWarning))
+    assert len(messages) == 3
+    assert "detector plugin 'bad_data' failed at step 0 (TypeError: keys must be" in messages[0]
+    assert "detector plugin 'bad_findings' failed at step 0 (TypeError: check() must return a list" in messages[1]
+    assert "detector plugin 'explodes' failed at step 3 (RuntimeError: plugin bug)" in messages[2]
     with gw.open_run(tmp_path / "run") as run:
         assert [(r.step, r.kind, r.action) for r in run.findings().itertuples()] == [(6, "nonfinite", "skip")]
         assert run.status == "finished"

@@ -103,7 +103,7 @@ class StoreWriter:
         """Insert (or replace, by id) findings in one transaction."""
         rows = [
             (f.id, f.step, f.kind, f.severity, f.layer, f.phase, f.message, f.action,
-             json.dumps(f.data, default=_plain, allow_nan=True), time.time())
+             finding_json(f.data), time.time())
             for f in findings
         ]
         with self._conn:
@@ -144,8 +144,17 @@ class StoreWriter:
         self._conn.close()
 
 
+def finding_json(data: Mapping[str, Any]) -> str:
+    """A finding's data as the JSON the store keeps (numpy numbers as numbers, other objects as text).
+
+    Raises:
+        TypeError, ValueError: data that JSON cannot hold (a key that is not a string or a
+            number, a reference cycle).
+    """
+    return json.dumps(data, default=_plain, allow_nan=True)
+
+
 def _plain(value: Any) -> Any:
-    """JSON for numpy numbers and other simple objects in a finding's data."""
     if hasattr(value, "item"):
         return value.item()
     return str(value)

@@ -1,8 +1,16 @@
-"""Shared contract tests: what every detector, action and sink must do, built in or plugin.
+"""Contract tests: what every detector, action and sink must do, built in or plugin (needs pytest).
 
-A test module adds one by subclassing the contract (``class TestVanishing(DetectorContract)``)
-and naming the class under test; the contract's tests then run for it. The ``healthy_records``
-fixture (conftest.py) is the stored records of a healthy training run.
+A test module checks one by subclassing the contract and naming the class under test; the
+contract's tests then run for it under pytest::
+
+    from gradwatch.testing import DetectorContract
+    from mypkg import GradNoise
+
+    class TestGradNoise(DetectorContract):
+        detector = GradNoise
+
+The ``gradwatch_healthy_records`` fixture (from gradwatch's pytest plugin) is the step records
+of a healthy training run (:func:`healthy_records`), read back from its store.
 """
 
 from __future__ import annotations
@@ -10,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import gradwatch as gw
@@ -23,10 +33,46 @@ from gradwatch import detectors
 from gradwatch.actions import Action
 from gradwatch.detectors import Detector
 from gradwatch.findings import SEVERITIES
-from gradwatch.judge import _well_formed
+from gradwatch.judge import well_formed
 from gradwatch.records import StepRecord
 from gradwatch.rules import action_params
 from gradwatch.writer import Writer
+
+
+def spirals(step: int, batch: int = 128, arms: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded batch of points on ``arms`` noisy spiral arms, and their arm."""
+    g = torch.Generator().manual_seed(8_000_024 + step)
+    y = torch.randint(0, arms, (batch,), generator=g)
+    r = torch.rand(batch, generator=g)
+    theta = y * (2 * math.pi / arms) + 4.0 * r + 0.4 * torch.randn(batch, generator=g)
+    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], 1), y
+
+
+def healthy_records(path: Path, steps: int = 300) -> list[StepRecord]:
+    """Train a healthy model watched into ``path`` (a 5 x 64 Tanh MLP, Adam, spirals; no rules)
+    and return its step records read back from the store.
+    """
+    torch.manual_seed(108)
+    sizes = [2, 64, 64, 64, 64, 64, 3]
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers += [nn.Linear(a, b), nn.Tanh()] if i < len(sizes) - 2 else [nn.Linear(a, b)]
+    model = nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gw.watch(model, run=path, rules=None, console=False, tensorboard=False)
+    observe: Callable[..., None] = gw.watcher(model).observe
+    try:
+        for step in range(steps):
+            x, y = spirals(step)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            observe(loss=loss)
+            opt.step()
+    finally:
+        gw.unwatch(model)
+    with gw.open_run(path) as run:
+        return list(run.records())
 
 
 def broken(record: StepRecord) -> list[StepRecord]:
@@ -49,6 +95,7 @@ class DetectorContract:
     detector: ClassVar[type[Detector]]
 
     def test_its_kind_finds_it_and_its_settings_are_plain_documented_data(self) -> None:
+        """Its kind looks it up; its settings have plain defaults, are documented and can turn it off."""
         cls = self.detector
         assert cls.kind and cls.kind.isidentifier()
         assert detectors.lookup(cls.kind) is cls
@@ -62,22 +109,23 @@ class DetectorContract:
         built = detectors.build({cls.kind: {"enabled": False}})
         assert [d.enabled for d in built if d.kind == cls.kind] == [False]
 
-    def test_healthy_training_gives_no_warning_or_error(self, healthy_records: list[StepRecord]) -> None:
+    def test_healthy_training_gives_no_warning_or_error(self, gradwatch_healthy_records: list[StepRecord]) -> None:
+        """A healthy run's steps give no finding above ``info``."""
         detector = self.detector()
-        found = [f for record in healthy_records for f in detector.check(record)]
+        found = [f for record in gradwatch_healthy_records for f in detector.check(record)]
         assert [(f.step, f.severity, f.layer, f.message) for f in found if f.severity != "info"] == []
 
     def test_broken_steps_give_well_formed_findings_and_no_exception(
-        self, healthy_records: list[StepRecord]
+        self, gradwatch_healthy_records: list[StepRecord]
     ) -> None:
+        """NaN, Inf, skipped and empty steps raise nothing and give findings of its kind for the step."""
         detector = self.detector()
-        for record in healthy_records[:25]:
+        for record in gradwatch_healthy_records[:25]:
             detector.check(record)
-        for record in [*broken(healthy_records[25]), *healthy_records[26:40]]:
+        for record in [*broken(gradwatch_healthy_records[25]), *gradwatch_healthy_records[26:40]]:
             found = detector.check(record)
-            _well_formed(detector, record, found)
+            well_formed(detector, record, found)
             assert all(f.severity in SEVERITIES for f in found)
-            json.dumps([f.data for f in found])  # stored as JSON
 
 
 def _regression() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -103,9 +151,11 @@ class ActionContract:
     NAN_STEP = 6
 
     def rule_params(self, tmp_path: Path) -> dict[str, Any]:
+        """The rule parameters used by the tests (override to build them from ``tmp_path``)."""
         return dict(self.params)
 
     def test_its_name_and_parameters_make_a_valid_rule(self, tmp_path: Path) -> None:
+        """A rule can name it with its parameters; an unknown parameter is refused."""
         name = self.action.name
         assert name and name.isidentifier()
         spec = action_params(name)
@@ -116,6 +166,7 @@ class ActionContract:
             gw.Rule(when="*", do=name, no_such_parameter=1)
 
     def test_applied_before_the_update_of_the_step_that_called_for_it(self, tmp_path: Path) -> None:
+        """In a real run, the NaN step's finding is labelled with it; it protects or halts as declared."""
         model, x, y = _regression()
         rule = gw.Rule(when="nonfinite", do=self.action.name, **self.rule_params(tmp_path))
         run = tmp_path / "run"
@@ -126,8 +177,9 @@ class ActionContract:
             for step in range(12):
                 opt.zero_grad()
                 nn.functional.mse_loss(model(x), y).backward()
-                if step == self.NAN_STEP:
-                    next(model.parameters()).grad[0, 0] = math.nan
+                grad = next(model.parameters()).grad
+                if step == self.NAN_STEP and grad is not None:
+                    grad[0, 0] = math.nan
                 opt.step()
         except gw.TrainingHalted as exc:
             halted = exc
@@ -150,6 +202,7 @@ class SinkContract:
     """A sink: fed from the writer thread, it keeps every step it was given, then closes."""
 
     def make(self, run_dir: Path) -> Any:
+        """A new sink writing into ``run_dir``."""
         raise NotImplementedError
 
     def steps(self, run_dir: Path) -> list[int]:
@@ -157,10 +210,11 @@ class SinkContract:
         raise NotImplementedError
 
     def test_keeps_every_step_written_from_the_writer_thread(
-        self, healthy_records: list[StepRecord], tmp_path: Path
+        self, gradwatch_healthy_records: list[StepRecord], tmp_path: Path
     ) -> None:
+        """Records fed through a real writer thread are all kept; a flight-recorder copy adds no step."""
         run_dir = tmp_path / "run"
-        records = [dataclasses.replace(r, logged=True) for r in healthy_records[:60]]
+        records = [dataclasses.replace(r, logged=True) for r in gradwatch_healthy_records[:60]]
         writer = Writer([self.make(run_dir)], queue_size=16, flush_seconds=0.05, name="contract")
         for record in records:
             writer.submit(record)

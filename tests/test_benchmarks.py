@@ -1,0 +1,37 @@
+"""The overhead benchmark's attribution still reaches gradwatch's entry points (a smoke run, no timing claims)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from gradwatch import probe, watching
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
+
+
+def load_overhead():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("gradwatch_overhead_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attribution_times_every_part_and_puts_the_hooks_back(tmp_path: Path) -> None:
+    overhead = load_overhead()
+    before = {name: probe.Probe.__dict__[name] for name in ("_forward_pre", "_activation_hook")}
+    step_pre = watching.Watcher.__dict__["_step_pre"]
+    row = overhead.attribute("mlp", overhead.WORKLOADS["mlp"], 20, tmp_path, Console(quiet=True))
+    parts = row["ms_per_step"]
+    assert row["bare_ms_per_step"] > 0
+    assert parts["gradwatch (training thread)"] > parts["detectors, rules and actions"] > 0
+    assert parts["origin tracking"] > 0
+    assert parts["statistics (hooks, reductions, the host read, records)"] > 0
+    assert parts["writer thread (CPU)"] >= 0
+    assert {name: probe.Probe.__dict__[name] for name in before} == before
+    assert watching.Watcher.__dict__["_step_pre"] is step_pre
