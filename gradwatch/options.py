@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -146,6 +147,8 @@ class Options:
         if settings is not None and settings["registry"] is not None:
             settings["registry"] = type(settings["registry"]).__name__  # an object, not data: its kind only
         data["prometheus"] = settings
+        # a sink plugin's settings may hold any object (a Path, a client): kept as text where JSON cannot
+        data["sinks"] = json.loads(json.dumps(sink_settings(self.sinks), default=str)) if self.sinks else None
         return data
 
 

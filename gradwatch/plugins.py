@@ -50,7 +50,9 @@ def load(role: str, name: str, base: type | None = None) -> Any:
     group = GROUPS[role]
     found = [ep for ep in _entry_points(role) if ep.name == name]
     if not found:
-        raise ConfigError(f"no {role} named {name!r} is installed (entry point group {group!r})")
+        installed = ", ".join(names(role)) or "none"
+        raise ConfigError(f"no {role} named {name!r} is installed (entry point group {group!r}); "
+                          f"installed {role} plugins: {installed}")
     if len({ep.value for ep in found}) > 1:
         where = "; ".join(f"{ep.value} ({_dist(ep)})" for ep in found)
         raise ConfigError(f"{role} plugin {name!r} is declared by more than one package: {where}")

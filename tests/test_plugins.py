@@ -183,11 +183,12 @@ def test_the_example_plugins_run_by_name_beside_the_built_ins(example_plugins: P
     model, x, y = regression()
     gw.watch(model, run=run, console=False, detectors={"loss_plateau": {"patience": 5}},
              rules=[gw.Rule(when="loss_plateau", do="append_json", path=str(alerts)), *DEFAULT_RULES],
-             sinks={"jsonl": {"filename": "steps.jsonl"}})
+             sinks={"jsonl": {"filename": Path("steps.jsonl")}})  # any object: the run's metadata keeps text
     train(model, x, y, steps=12, lr=0.0, nan_at=(8,))  # lr 0: the loss never improves
     gw.unwatch(model)
     with gw.open_run(run) as stored:
         found = stored.findings()
+        assert stored.meta["options"]["sinks"] == {"jsonl": {"filename": "steps.jsonl"}}
     rows = [(r.step, r.kind, r.action) for r in found.itertuples()]
     assert rows == [(5, "loss_plateau", "append_json"), (8, "nonfinite", "skip")]
     assert found["data"].iloc[0]["outcome"] == {"appended_to": str(alerts)}
@@ -233,7 +234,8 @@ def test_rules_and_options_list_installed_plugins_among_the_choices(example_plug
         gw.watch(nn.Linear(2, 2), run="unused", detectors={"loss_plato": {}})
     with pytest.raises(gw.ConfigError, match="setting 'patience' must be a non-negative int"):
         gw.watch(nn.Linear(2, 2), run="unused", detectors={"loss_plateau": {"patience": "5"}})
-    with pytest.raises(gw.ConfigError, match="no sink named 'jsonline' is installed"):
+    missing = r"no sink named 'jsonline' is installed .*; installed sink plugins: jsonl$"
+    with pytest.raises(gw.ConfigError, match=missing):
         gw.watch(nn.Linear(2, 2), run="unused", sinks=["jsonline"])
     for bad in (5, "jsonl", {"jsonl": 3}, ["jsonl", "jsonl"]):
         with pytest.raises(gw.ConfigError, match="option sinks"):
