@@ -45,7 +45,7 @@ class Probe:
         model: nn.Module,
         *,
         on_forward: Callable[[tuple[Any, ...], dict[str, Any]], None],
-        on_step_pre: Callable[[torch.optim.Optimizer], None],
+        on_step_pre: Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], Any],
         on_step_post: Callable[[torch.optim.Optimizer], None],
         on_backward_start: Callable[[torch.Tensor], None],
         on_backward_end: Callable[[torch.Tensor], None],
@@ -56,7 +56,7 @@ class Probe:
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._forward_pre, with_kwargs=True),
             model.register_forward_hook(self._forward_post),
-            register_optimizer_step_pre_hook(lambda opt, args, kwargs: on_step_pre(opt)),
+            register_optimizer_step_pre_hook(on_step_pre),
             register_optimizer_step_post_hook(lambda opt, args, kwargs: on_step_post(opt)),
         ]
         #: set while gradwatch itself runs the model (origin replay): every hook stands aside

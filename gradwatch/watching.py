@@ -51,20 +51,31 @@ def _distributed_group(options: Options) -> Any:
     return Group(options.replica_check_every, options.replica_tolerance)
 
 
-def _guarded(hook: Callable[..., None]) -> Callable[..., None]:
+def _guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Run a hook so that a gradwatch bug detaches gradwatch instead of breaking training."""
 
     @functools.wraps(hook)
-    def run(self: Watcher, *args: Any) -> None:
+    def run(self: Watcher, *args: Any) -> Any:
         try:
-            hook(self, *args)
+            return hook(self, *args)
         except TrainingHalted:
             raise
         except Exception as exc:
             log.exception("gradwatch: internal error in %s", hook.__name__)
             self._fail(exc)
+            return None
 
     return run
+
+
+def _closure_at(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | str | None:
+    """Where ``optimizer.step(closure)`` holds its closure: ``"closure"`` (keyword), the index of
+    the positional argument (the step pre-hook's ``args`` start with the optimizer itself), or None.
+    """
+    if callable(kwargs.get("closure")):
+        return "closure"
+    first = 1 if args and args[0] is opt else 0
+    return first if len(args) > first and callable(args[first]) else None
 
 
 @dataclass
@@ -507,9 +518,54 @@ class Watcher:
         self._probe.watch_backward(found.params[self._sentinel])
 
     @_guarded
-    def _step_pre(self, opt: torch.optim.Optimizer) -> None:
-        if not self._signalled:
+    def _step_pre(
+        self, opt: torch.optim.Optimizer, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self._signalled:
+            return None
+        kwargs = kwargs or {}
+        at = _closure_at(opt, args, kwargs)
+        if at is None:
             self._step_at(opt, False)
+            return None
+        if self.closed or self._entry(opt) is None:
+            return None
+        # optimizer.step(closure): the gradients exist only once step() has run the closure
+        if isinstance(at, str):
+            return args, {**kwargs, at: self._measured_closure(opt, kwargs[at])}
+        return (*args[:at], self._measured_closure(opt, args[at]), *args[at + 1:]), kwargs
+
+    def _measured_closure(self, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Wrap a step's closure: the step is measured and judged once its first evaluation has
+        computed the gradients, before the optimizer uses them. Later evaluations in the same
+        step (L-BFGS line search) are the optimizer's business: no forward, backward or observed
+        value of theirs counts as a new iteration. The closure's loss is observed unless the
+        closure observed one itself.
+        """
+        calls = 0
+
+        def measured() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1 or self.closed:
+                return self._evaluation_aside(closure)
+            loss = closure()
+            if "loss" not in self._observed and (
+                    (isinstance(loss, torch.Tensor) and loss.numel() == 1) or isinstance(loss, numbers.Real)):
+                self.observe(loss=loss)
+            self._signalled_step(opt, False)
+            return loss
+
+        return measured
+
+    def _evaluation_aside(self, closure: Callable[[], Any]) -> Any:
+        """Run a closure with gradwatch's hooks standing aside and its iteration state kept."""
+        saved = self._backward, self._observed, self._probe.paused
+        self._observed, self._probe.paused = {}, True
+        try:
+            return closure()
+        finally:
+            self._backward, self._observed, self._probe.paused = saved
 
     @_guarded
     def _signalled_step(self, opt: torch.optim.Optimizer, scaled: bool) -> None:
