@@ -321,3 +321,28 @@ def test_a_sink_plugin_that_raises_is_disabled_and_the_store_is_whole(
     with gw.open_run(tmp_path / "run") as run:
         assert run.steps == 10
         assert run.status == "finished"
+
+
+def test_plugins_are_named_in_a_config_file_like_the_built_ins(example_plugins: Path, tmp_path: Path) -> None:
+    alerts = tmp_path / "alerts.jsonl"
+    config = tmp_path / "gradwatch.toml"
+    config.write_text(textwrap.dedent(f"""
+        sinks = ["jsonl"]
+
+        [detectors.loss_plateau]
+        patience = 4
+
+        [[rules]]
+        when = "loss_plateau"
+        do = "append_json"
+        path = {json.dumps(str(alerts))}
+    """))
+    model, x, y = regression()
+    gw.watch(model, run=tmp_path / "run", console=False, rules=str(config))
+    train(model, x, y, steps=8, lr=0.0)
+    gw.unwatch(model)
+    assert [json.loads(line)["step"] for line in alerts.read_text().splitlines()] == [4]
+    assert len((tmp_path / "run" / "steps.jsonl").read_text().splitlines()) == 8
+    config.write_text('[[rules]]\nwhen = "loss_plateau"\ndo = "append_json"\n')
+    with pytest.raises(gw.ConfigError, match=r"gradwatch.toml: rules\[0\]: action 'append_json' needs field 'path'"):
+        gw.watch(nn.Linear(2, 2), run=tmp_path / "other", rules=str(config))
