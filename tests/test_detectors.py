@@ -165,3 +165,27 @@ def test_flight_recorder_keeps_the_lead_up_at_full_resolution(run_dir: Path) -> 
     logged = set(run.metrics("grad_norm", include_global=False).step)
     assert logged == {0, 20, 40, *range(49, 58)}, sorted(logged)
     assert first(run, "nonfinite") == (57, None)
+
+
+@pytest.mark.parametrize("passes_preclip", [False, True])
+def test_a_loop_that_clips_itself_passes_the_preclip_norm_for_exploding(run_dir: Path, passes_preclip: bool) -> None:
+    """After clip_grad_norm_ gradwatch sees clipped gradients; observing the returned pre-clip norm
+    lets the exploding detector judge the real one (README: Attaching)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(80):
+        scale = 1000.0 if step == 60 else 1.0
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x * scale), y * scale)
+        loss.backward()
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        gw.watcher(model).observe(loss=loss, **({"grad_norm_preclip": total} if passes_preclip else {}))
+        opt.step()
+    gw.unwatch(model)
+    with gw.open_run(run_dir) as run:
+        kinds = [(r.step, r.kind) for r in run.findings().itertuples()]
+    assert ((60, "exploding") in kinds) == passes_preclip
+    assert (60, "loss_spike") in kinds
