@@ -69,6 +69,8 @@ class Measure:
         bounded = np.zeros(len(found.layout.layers), dtype=bool)
         bounded[list(found.layout.saturating)] = True
         self._bounded = bounded
+        #: CPU buffers for the weights' copies of sampled steps, by parameter index
+        self._pool: dict[int, torch.Tensor] = {}
 
     @torch.no_grad()
     def launch(self, sampled: bool, acts: Activations) -> Launched:
@@ -157,10 +159,25 @@ class Measure:
 
     @torch.no_grad()
     def snapshot(self, step: Launched) -> dict[int, torch.Tensor]:
-        """Copies of the weights about to be updated, for the update ratio (sampled steps)."""
+        """Copies of the weights about to be updated, for the update ratio (sampled steps).
+
+        On the CPU the copies go into buffers kept from one sampled step to the next (fresh
+        allocations of that size cost more than the copy there: page faults); on an accelerator
+        the caching allocator already reuses the memory, and nothing is kept between steps.
+        """
         if not step.sampled or not step.gidx:
             return {}
-        copies = torch._foreach_mul([local(self.found.params[i]) for i in step.gidx], 1.0)
+        weights = [local(self.found.params[i]) for i in step.gidx]
+        if not all(w.device.type == "cpu" for w in weights):
+            return dict(zip(step.gidx, torch._foreach_mul(weights, 1.0)))
+        pool = self._pool
+        copies = []
+        for i, w in zip(step.gidx, weights):
+            buf = pool.get(i)
+            if buf is None or buf.shape != w.shape or buf.dtype != w.dtype:
+                buf = pool[i] = torch.empty_like(w, memory_format=torch.contiguous_format)
+            copies.append(buf)
+        torch._foreach_copy_(copies, weights)
         return dict(zip(step.gidx, copies))
 
     @torch.no_grad()
