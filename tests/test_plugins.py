@@ -212,7 +212,7 @@ def test_the_example_plugins_run_by_name_beside_the_built_ins(example_plugins: P
     out = subprocess.run([*command, "json", "--rules", str(rules)], capture_output=True, text=True, env=env)
     assert [(f["kind"], f["step"]) for f in json.loads(out.stdout)["findings"]][0] == ("loss_plateau", 3)
     page = render(run)  # the report explains the plugin's finding with its hint
-    assert "loss_plateau" in page and "lower the learning rate, or stop" in page
+    assert "Loss plateau" in page and "lower the learning rate, or stop" in page
 
 
 def _env(path: str) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -147,10 +148,16 @@ KINDS: dict[str, Kind] = {
     ),
 }
 
-#: a kind the report does not know (a third-party detector)
-UNKNOWN = Kind("Finding", "A detector reported this step.", ("Read the finding's hint.",))
+#: a kind the report does not know (a third-party detector): its title is made from the kind's name
+UNKNOWN = Kind("Finding", "A detector plugin reported this step.", ("Read the finding's hint.",))
 
 
 def explain(kind: str) -> Kind:
-    """The explanation of ``kind`` (a generic one for a kind this report does not know)."""
-    return KINDS.get(kind, UNKNOWN)
+    """The explanation of ``kind``; a kind this report does not know (a detector plugin's) gets a
+    generic one titled after its name (``loss_plateau`` -> "Loss plateau").
+    """
+    known = KINDS.get(kind)
+    if known is not None:
+        return known
+    title = kind.replace("_", " ").strip().capitalize() or UNKNOWN.title
+    return dataclasses.replace(UNKNOWN, title=title)
