@@ -85,7 +85,9 @@ class Rule:
 
     def param(self, name: str) -> Any:
         """An action parameter, or its default."""
-        return self.params.get(name, action_params(self.do)[name][1])
+        if name in self.params:
+            return self.params[name]
+        return action_params(self.do)[name][1]
 
     def __repr__(self) -> str:
         fields = [f"when={self.when!r}", f"do={self.do!r}"]

@@ -121,7 +121,8 @@ def build(config: Mapping[str, Mapping[str, Any]] | None = None, *, where: str =
         params = {} if params is None else params
         if not isinstance(params, Mapping):
             raise ConfigError(f"{where}.{kind} must be a table of settings, got {params!r}")
-        values = {name: check_type(f"{where}.{kind}", name, value, settings(kind)) for name, value in params.items()}
+        defaults = settings(kind)
+        values = {name: check_type(f"{where}.{kind}", name, value, defaults) for name, value in params.items()}
         try:
             out.append(cls(**values))
         except Exception as exc:  # only a plugin's own __init__ / __post_init__ can fail here
