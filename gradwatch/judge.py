@@ -35,13 +35,14 @@ _STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
 class Judge:
     """Runs the detectors on every record and the rules' actions on what they find."""
 
-    def __init__(self, config: Config, options: Options, writer: Writer) -> None:
+    def __init__(self, config: Config, options: Options, writer: Writer,
+                 plugin_actions: dict[str, actions.Action] | None = None) -> None:
         self.rules = config.rules
         all_detectors = [d for d in detectors.build(options.detectors) if d.enabled]
         #: plugins run guarded: one that raises (or returns something else than findings of its
         #: kind) is disabled with a PluginWarning and the run goes on
         self._guarded = {id(d) for d in all_detectors if detectors.plugin(d)}
-        self._plugin_actions = {r.do: actions.build(r.do) for r in config.rules or [] if r.do not in PRECEDENCE}
+        self._plugin_actions = plugin_actions if plugin_actions is not None else build_plugin_actions(config)
         self._now = [d for d in all_detectors if not d.late]
         self._late = [d for d in all_detectors if d.late]
         self.exploding = next((d for d in all_detectors if d.kind == "exploding"), None)
@@ -174,6 +175,15 @@ class Judge:
     def summary(self) -> dict[str, Any]:
         """Counts of findings by severity and the worst severity seen."""
         return {"counts": dict(self.counts), "worst": self.worst}
+
+
+def build_plugin_actions(config: Config) -> dict[str, actions.Action]:
+    """An instance of each action plugin the rules name.
+
+    Raises:
+        ConfigError: a plugin that fails to load or to build.
+    """
+    return {r.do: actions.build(r.do) for r in config.rules or [] if r.do not in PRECEDENCE}
 
 
 def well_formed(detector: detectors.Detector, record: StepRecord, found: object) -> None:

@@ -24,7 +24,7 @@ from gradwatch import stats, verdict
 from gradwatch.config import Config
 from gradwatch.control import LoopControl
 from gradwatch.errors import GradwatchError, InternalWarning, TrainingHalted
-from gradwatch.judge import Judge
+from gradwatch.judge import Judge, build_plugin_actions
 from gradwatch.layout import discover, unwrap
 from gradwatch.measure import Measure
 from gradwatch.options import Options
@@ -134,6 +134,7 @@ class Watcher:
 
             # binds the port first: a port in use fails gw.watch with a clear error and no run written
             sinks.append(sink_for(options.prometheus, run=run_dir.name, model=meta["model"]))
+        plugin_actions = build_plugin_actions(config)  # before anything is written: a plugin may fail to build
         fresh = not run_dir.exists()
         try:
             if self.writes:
@@ -157,7 +158,7 @@ class Watcher:
         )
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptEntry]
         self._optimizers = weakref.WeakKeyDictionary()
-        self.judge = Judge(config, options, self._writer)
+        self.judge = Judge(config, options, self._writer, plugin_actions)
         self.control = LoopControl(self)
         self._tracker = Tracker(model) if options.origin else None
         self.snapshots: Snapshots | None = None

@@ -83,6 +83,11 @@ class ExplodingAction(Action):
     def apply(self, rule, finding, control):
         raise RuntimeError("action bug")
 
+class BadInitAction(Action):
+    name = "bad_init_action"
+    def __init__(self):
+        raise RuntimeError("no webhook configured")
+
 class ExplodingSink:
     def __init__(self, run_dir):
         pass
@@ -110,6 +115,7 @@ bad_data = broken_plugins:BadData
 
 [gradwatch.actions]
 explodes = broken_plugins:ExplodingAction
+bad_init_action = broken_plugins:BadInitAction
 
 [gradwatch.sinks]
 explodes = broken_plugins:ExplodingSink
@@ -264,6 +270,8 @@ def test_an_installed_broken_plugin_cannot_affect_a_run_that_does_not_name_it(
      r"ModuleNotFoundError"),
     ({"detectors": {"wrong_kind": {}}}, r"detector plugin 'wrong_kind' must be a @dataclass subclass .* kind"),
     ({"sinks": ["bad_init"]}, r"sink plugin 'bad_init' failed to start: TypeError: unexpected setting"),
+    ({"rules": [{"when": "nonfinite", "do": "bad_init_action"}]},
+     r"action plugin 'bad_init_action' failed to build: RuntimeError: no webhook configured"),
 ])
 def test_a_named_plugin_that_cannot_start_is_one_clear_error_before_training(
     broken_plugins: Path, tmp_path: Path, settings: dict[str, Any], message: str
