@@ -36,13 +36,15 @@ class Judge:
     """Runs the detectors on every record and the rules' actions on what they find."""
 
     def __init__(self, config: Config, options: Options, writer: Writer,
-                 plugin_actions: dict[str, actions.Action] | None = None) -> None:
+                 plugin_actions: dict[str, actions.Action]) -> None:
         self.rules = config.rules
         all_detectors = [d for d in detectors.build(options.detectors) if d.enabled]
         #: plugins run guarded: one that raises (or returns something else than findings of its
         #: kind) is disabled with a PluginWarning and the run goes on
         self._guarded = {id(d) for d in all_detectors if detectors.plugin(d)}
-        self._plugin_actions = plugin_actions if plugin_actions is not None else build_plugin_actions(config)
+        #: the action plugins the rules name, built by the caller before the run was created
+        #: (:func:`build_plugin_actions`); one that raises is removed
+        self._plugin_actions = plugin_actions
         self._now = [d for d in all_detectors if not d.late]
         self._late = [d for d in all_detectors if d.late]
         self.exploding = next((d for d in all_detectors if d.kind == "exploding"), None)
