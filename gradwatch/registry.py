@@ -197,6 +197,23 @@ def forget(watcher_: Watcher) -> None:
             del _watchers[key]
 
 
+def flush_run(run_dir: Path) -> bool:
+    """Flush the watcher of this process that writes ``run_dir``, if there is one.
+
+    Readers call it so that a run being written in this same process is read with every step
+    recorded so far on disk.
+
+    Returns:
+        whether a live watcher of this process writes the run.
+    """
+    target = Path(run_dir).resolve()
+    for w in list(_live):
+        if not w.closed and w.writes and Path(w.run_dir).resolve() == target:
+            w.flush()
+            return True
+    return False
+
+
 def _close_all() -> None:
     for w in list(_live):
         w.close("crashed" if _crashed else None)
