@@ -10,8 +10,6 @@ Attach with one line, train as usual, then read the run::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import importlib
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +23,7 @@ from gradwatch.errors import (
     SchemaError,
     TrainingHalted,
 )
+from gradwatch.version import __version__
 
 if TYPE_CHECKING:
     from gradwatch.findings import Finding

@@ -501,9 +501,9 @@ def export_run(path: str | Path, exporter: Exporter, *, per_layer: bool = False,
     Replays the stored steps and findings into a sink labelled with the run directory's name,
     so the series hold the run's final values and totals. Returns the (closed) sink.
     """
-    import gradwatch as gw
+    from gradwatch.store.reader import open_run
 
-    run = gw.open_run(path)
+    run = open_run(path)
     sink = exporter.sink(Path(path).resolve().name, model=run.meta.get("model"), per_layer=per_layer,
                          max_layers=max_layers)
     try:

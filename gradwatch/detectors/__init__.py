@@ -14,35 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from gradwatch import plugins
+from gradwatch.detectors.base import Detector
 from gradwatch.errors import ConfigError
-from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
 
-
-@dataclasses.dataclass
-class Detector:
-    """Base of every detector.
-
-    Attributes:
-        enabled: run this detector.
-    """
-
-    kind: ClassVar[str] = ""
-    #: True for detectors that judge a step's update, known one step later (update ratios)
-    late: ClassVar[bool] = False
-
-    enabled: bool = True
-
-    def check(self, record: StepRecord) -> list[Finding]:
-        """Findings about one step (called once per step, in step order)."""
-        raise NotImplementedError
-
-    def finding(self, record: StepRecord, severity: str, layer: str | None, message: str, **kw: Any) -> Finding:
-        """A finding of this detector's kind for ``record``'s step."""
-        return Finding(kind=self.kind, severity=severity, step=record.step, layer=layer, message=message, **kw)
+__all__ = ["REGISTRY", "Detector", "build", "check_type", "lookup", "plugin", "settings"]
 
 
 def _registry() -> dict[str, type[Detector]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gradwatch.detectors import Detector
+from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 

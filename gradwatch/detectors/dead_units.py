@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors import Detector
+from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord, present
 

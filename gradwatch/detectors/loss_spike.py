@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from gradwatch.detectors import Detector
+from gradwatch.detectors.base import Detector
 from gradwatch.detectors.baseline import Ema
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord

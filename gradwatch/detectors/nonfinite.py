@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from gradwatch.detectors import Detector
+from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
 from gradwatch.records import PARAM, StepRecord, present
 

@@ -86,7 +86,7 @@ class Run:
         except sqlite3.DatabaseError as exc:
             raise RunError(f"the run store {str(db)!r} is corrupted or unreadable: {exc}") from None
         if version > SCHEMA_VERSION:
-            from gradwatch import __version__
+            from gradwatch.version import __version__
 
             raise SchemaError(
                 f"the run at {str(self.path)!r} was written with store schema {version}, newer than "

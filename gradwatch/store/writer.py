@@ -171,7 +171,7 @@ def default_meta() -> dict[str, Any]:
 
     import torch
 
-    from gradwatch import __version__
+    from gradwatch.version import __version__
 
     return {
         "gradwatch_version": __version__,
