@@ -89,17 +89,34 @@ class Root:
         if rel.is_absolute() or ".." in rel.parts:
             raise NotFound(run_id)
         path = (self.root / rel).resolve()
-        if not path.is_relative_to(self.root) or not (path / DB_NAME).is_file():
+        if not path.is_relative_to(self.root) or self.store(path) is None:
             raise NotFound(run_id)
         return path
+
+    def store(self, run_dir: Path) -> Path | None:
+        """The run's store file, resolved; None when there is none, or when a link leads out of the root.
+
+        The files SQLite opens beside the store (``-wal``, ``-shm``, ``-journal``) are checked too.
+        """
+        db = (run_dir / DB_NAME).resolve()
+        if not db.is_relative_to(self.root) or not db.is_file():
+            return None
+        for suffix in ("-wal", "-shm", "-journal"):
+            beside = db.with_name(db.name + suffix)
+            if beside.is_symlink() and not beside.resolve().is_relative_to(self.root):
+                return None
+        return db
 
     def run_id(self, path: Path) -> str:
         """The name a run directory is addressed by."""
         return path.relative_to(self.root).as_posix()
 
     def open(self, run_id: str) -> Run:
-        """Open a run by name, read-only."""
-        return open_run(self.resolve(run_id))
+        """Open a run by name, read-only (the store file it opens is the one :meth:`store` resolved)."""
+        db = self.store(self.resolve(run_id))
+        if db is None:  # changed since it was resolved
+            raise NotFound(run_id)
+        return open_run(db)
 
     def runs(self) -> list[dict[str, Any]]:
         """One row per run (id, steps, status, findings, last update), newest update first.
@@ -110,6 +127,8 @@ class Root:
         with self._lock:
             seen = set()
             for path in find_runs(self.root):
+                if self.store(path) is None:  # a store linked in from outside the root is not shown
+                    continue
                 seen.add(path)
                 stamp = updated(path)
                 cached = self._rows.get(path)

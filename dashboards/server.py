@@ -20,7 +20,9 @@ Every route is GET: nothing here writes.
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 import socket
 import threading
 import time
@@ -63,10 +65,38 @@ SECURITY_HEADERS = [
     (b"x-frame-options", b"DENY"),
 ]
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: Host headers a loopback server always answers (besides the address it listens on)
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
+
+log = logging.getLogger("gradwatch.dashboard")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only: ``localhost``, ``*.localhost``, or a loopback address.
+
+    Loopback addresses are all of ``127.0.0.0/8`` and ``::1``, in any spelling.
+    """
+    name = host.strip("[]").lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(host: str) -> list[str]:
+    """The Host header names a server bound to the loopback address ``host`` answers."""
+    name = host.strip("[]").lower()
+    own = f"[{name}]" if ":" in name else name
+    return [*LOOPBACK_HOSTS, *([own] if own not in LOOPBACK_HOSTS else [])]
 
 
 class _SecurityHeaders:
-    """Adds :data:`SECURITY_HEADERS` to every response."""
+    """Adds :data:`SECURITY_HEADERS` to every response, a 500 for an unexpected error included.
+
+    The error is logged once; the client sees no internals.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -75,14 +105,24 @@ class _SecurityHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
 
         async def with_headers(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], *SECURITY_HEADERS]
             await send(message)
 
-        await self.app(scope, receive, with_headers)
+        try:
+            await self.app(scope, receive, with_headers)
+        except Exception:
+            log.exception("gradwatch dashboard: internal error serving %s", scope.get("path"))
+            if started:  # the response is under way: nothing better than ending it
+                raise
+            await _error(500, "internal error in the gradwatch dashboard; see the server's log")(
+                scope, receive, with_headers)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -270,14 +310,15 @@ def create_app(root: str | Path, *, host: str = "127.0.0.1", poll: float = POLL_
 
     Args:
         root: the folder whose runs are shown (it may itself be a run).
-        host: the address the server binds; on a loopback address only requests whose Host header
-            names a loopback host are served (a defence against DNS rebinding).
+        host: the address the server binds; on a loopback address (any of ``127.0.0.0/8``, ``::1``,
+            ``localhost``) only requests whose Host header names a loopback host or that address are
+            served (a defence against DNS rebinding).
         poll: seconds between two looks at the store for a live page.
     """
     dashboard = Dashboard(Path(root), poll=poll)
     middleware = [Middleware(_SecurityHeaders), Middleware(GZipMiddleware, minimum_size=1024, compresslevel=5)]
-    if host in LOOPBACK:
-        middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "[::1]"]))
+    if is_loopback(host):  # inside the headers' middleware: its 400 carries them too
+        middleware.insert(1, Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(host)))
     app = Starlette(routes=dashboard.routes(), middleware=middleware)
     app.state.dashboard = dashboard
     return app

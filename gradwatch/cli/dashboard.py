@@ -20,11 +20,11 @@ def dashboard(root: Path, host: str, port: int) -> None:
     """Serve the live web dashboard of the runs under ROOT (default: runs) and print its URL."""
     if not root.is_dir():
         raise click.UsageError(f"no such folder: {str(root)!r}")
-    from gradwatch.dashboards.server import LOOPBACK, bind, serve, url
+    from gradwatch.dashboards.server import bind, is_loopback, serve, url
 
     sock = bind(host, port)
     click.echo(f"gradwatch dashboard: the runs under {root} at {url(host, sock.getsockname()[1])}  (Ctrl-C to stop)")
-    if host not in LOOPBACK:
+    if not is_loopback(host):
         click.echo(f"gradwatch: warning: listening on {host}: the dashboard has no login, anyone who can reach this "
                    "address can read these runs", err=True)
     serve(root, sock, host=host)
