@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import math
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -26,7 +26,33 @@ from gradwatch.errors import RunError, TrainingHalted
 from gradwatch.findings import Finding
 
 if TYPE_CHECKING:
-    from gradwatch.watching import Watcher
+    from pathlib import Path
+
+    from torch import nn
+
+    from gradwatch.snapshots import Snapshots
+
+
+class Loop(Protocol):
+    """What the control needs of the watcher it acts for (a :class:`gradwatch.Watcher`)."""
+
+    run_dir: Path
+    snapshots: Snapshots | None
+
+    def model(self) -> nn.Module:
+        """The watched model."""
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers seen stepping the model."""
+
+    def clip_bound(self) -> float:
+        """The adaptive clipping bound (nan when the run has no history yet)."""
+
+    def snapshot_restored(self) -> None:
+        """A snapshot was restored."""
+
+    def halted(self, step: int, reason: str) -> None:
+        """A rule halts training at ``step``: write everything and close the run."""
 
 
 def _is_scheduler(obj: Any) -> bool:
@@ -42,7 +68,7 @@ def _is_scaler(obj: Any) -> bool:
 class LoopControl:
     """Acts on the optimizers, schedulers and scaler that train a watched model."""
 
-    def __init__(self, watcher: Watcher) -> None:
+    def __init__(self, watcher: Loop) -> None:
         self._watcher = weakref.proxy(watcher)
         self.grads: list[torch.Tensor] = []
         self.total = math.nan
@@ -103,10 +129,7 @@ class LoopControl:
     def clip(self, max_norm: float | None) -> dict[str, Any]:
         """Scale the step's gradients so that their global norm is at most ``max_norm``."""
         if max_norm is None:
-            exploding = self._watcher.judge.exploding
-            max_norm = exploding.upper() if exploding is not None else math.inf
-            if not math.isfinite(max_norm):  # no history yet: the baseline's typical norm, if any
-                max_norm = exploding.typical() if exploding is not None else math.nan
+            max_norm = self._watcher.clip_bound()
             adaptive = True
         else:
             adaptive = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import numbers
 import warnings
 from collections import deque
@@ -21,6 +22,7 @@ from rich.markup import escape
 from gradwatch import actions, detectors
 from gradwatch.actions import Control
 from gradwatch.config import Config
+from gradwatch.detectors.exploding import Exploding
 from gradwatch.errors import PluginWarning, TrainingHalted
 from gradwatch.findings import SEVERITIES, Cooldown, Finding, rank
 from gradwatch.options import Options
@@ -47,7 +49,7 @@ class Judge:
         self._plugin_actions = plugin_actions
         self._now = [d for d in all_detectors if not d.late]
         self._late = [d for d in all_detectors if d.late]
-        self.exploding = next((d for d in all_detectors if d.kind == "exploding"), None)
+        self.exploding = next((d for d in all_detectors if isinstance(d, Exploding)), None)
         self._writer = writer
         self._fold = Cooldown(options.cooldown)
         self._flight: deque[StepRecord] = deque(maxlen=options.flight_recorder)
@@ -173,6 +175,16 @@ class Judge:
         action = f" -> {f.action}" if f.action and f.action != "warn" else ""
         head = f"[{_STYLE[f.severity]}]gradwatch {f.severity}[/] step {f.step} {f.kind}{where}"
         self._console.print(f"{head}: {escape(f.message)}{action}")
+
+    def clip_bound(self) -> float:
+        """The adaptive clipping bound: the largest global norm the run's own healthy history calls
+        normal (the ``exploding`` detector's baseline), its typical norm while that history is too
+        short, nan without either.
+        """
+        bound = self.exploding.upper() if self.exploding is not None else math.inf
+        if not math.isfinite(bound):  # no history yet: the baseline's typical norm, if any
+            bound = self.exploding.typical() if self.exploding is not None else math.nan
+        return bound
 
     def summary(self) -> dict[str, Any]:
         """Counts of findings by severity and the worst severity seen."""

@@ -90,7 +90,7 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
                           f"ignoring run={str(run)!r}", GradwatchWarning, stacklevel=2)
         return model
     run_dir = _free_run_dir(Path(run) if run is not None else _default_run(model))
-    watcher_ = Watcher(model, run_dir, opts, config)
+    watcher_ = Watcher(model, run_dir, opts, config, on_close=forget)
     for key in _keys(model):
         _watchers[key] = watcher_
     _live.add(watcher_)

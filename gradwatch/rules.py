@@ -112,7 +112,7 @@ def action_params(do: str, where: str = "rules") -> dict[str, tuple[type, Any]]:
     if not isinstance(do, str) or not plugins.exists("action", do):
         valid = [*ACTIONS, *plugins.names("action")]
         raise ConfigError(f"{where}: field 'do': unknown action {do!r}; valid actions are: {_choices(valid)}")
-    from gradwatch.actions import Action
+    from gradwatch.actions.base import Action
 
     try:
         cls = plugins.load("action", do, Action)

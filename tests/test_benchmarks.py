@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gradwatch import probe, watching
+from gradwatch import lifecycle, probe
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
 
@@ -25,7 +25,7 @@ def load_overhead():  # type: ignore[no-untyped-def]
 def test_attribution_times_every_part_and_puts_the_hooks_back(tmp_path: Path) -> None:
     overhead = load_overhead()
     before = {name: probe.Probe.__dict__[name] for name in ("_forward_pre", "_activation_hook")}
-    step_pre = watching.Watcher.__dict__["_step_pre"]
+    step_pre = lifecycle.Lifecycle.__dict__["step_pre"]
     row = overhead.attribute("mlp", overhead.WORKLOADS["mlp"], 20, tmp_path, Console(quiet=True))
     parts = row["ms_per_step"]
     assert row["bare_ms_per_step"] > 0
@@ -34,4 +34,4 @@ def test_attribution_times_every_part_and_puts_the_hooks_back(tmp_path: Path) ->
     assert parts["statistics (hooks, reductions, the host read, records)"] > 0
     assert parts["writer thread (CPU)"] >= 0
     assert {name: probe.Probe.__dict__[name] for name in before} == before
-    assert watching.Watcher.__dict__["_step_pre"] is step_pre
+    assert lifecycle.Lifecycle.__dict__["step_pre"] is step_pre

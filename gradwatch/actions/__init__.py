@@ -13,54 +13,13 @@ built-in action (before it), once per step, with the first finding that called f
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from gradwatch.actions import clip, halt, rollback, scale_lr, skip, warn
+from gradwatch.actions.base import Action, Control, Params
 
-from gradwatch.findings import Finding
-from gradwatch.rules import Rule
-
-
-class Control(Protocol):
-    """What actions may do to training; implemented per training style."""
-
-    def clip(self, max_norm: float | None) -> dict[str, Any]:
-        """Scale this step's gradients so that their global norm is at most ``max_norm``
-        (None: the adaptive bound from the run's own history).
-        """
-
-    def skip(self, max_consecutive: int) -> dict[str, Any]:
-        """Make this step change nothing; halt after ``max_consecutive`` skips in a row."""
-
-    def rollback(self, skip_batches: int, lr_scale: float, max_rollbacks: int) -> dict[str, Any]:
-        """Restore the last known-good snapshot instead of applying this step."""
-
-    def scale_lr(self, factor: float) -> dict[str, Any]:
-        """Multiply the learning rate of every parameter group by ``factor``."""
-
-    def halt(self, finding: Finding) -> None:
-        """Flush, write the verdict and raise ``gw.TrainingHalted``."""
-
-
-class Action:
-    """Base of every action: ``apply`` one rule's call to the step's training.
-
-    Attributes:
-        name: what rules call it (``do=name``).
-        params: the rule parameters it takes, ``{name: (type, default)}`` with type ``int``,
-            ``float``, ``str`` or ``bool`` and default :data:`gradwatch.rules.REQUIRED` for one
-            a rule must give; read them with ``rule.param(name)``.
-    """
-
-    name: ClassVar[str] = ""
-    params: ClassVar[dict[str, tuple[type, Any]]] = {}
-
-    def apply(self, rule: Rule | None, finding: Finding, control: Control) -> dict[str, Any]:
-        """Act on the step; returns details recorded with the finding."""
-        raise NotImplementedError
+__all__ = ["REGISTRY", "Action", "Control", "Params", "build"]
 
 
 def _registry() -> dict[str, Action]:
-    from gradwatch.actions import clip, halt, rollback, scale_lr, skip, warn
-
     actions: list[Action] = [
         warn.Warn(), clip.Clip(), skip.Skip(), rollback.Rollback(), scale_lr.ScaleLr(), halt.Halt(),
     ]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradwatch.actions import Action, Control
+from gradwatch.actions.base import Action, Control, Params
 from gradwatch.findings import Finding
-from gradwatch.rules import Rule
 
 
 class Clip(Action):
@@ -16,6 +15,6 @@ class Clip(Action):
 
     name = "clip"
 
-    def apply(self, rule: Rule | None, finding: Finding, control: Control) -> dict[str, Any]:
+    def apply(self, rule: Params | None, finding: Finding, control: Control) -> dict[str, Any]:
         """Clip the step's gradients."""
         return control.clip(rule.param("max_norm") if rule is not None else None)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradwatch.actions import Action, Control
+from gradwatch.actions.base import Action, Control, Params
 from gradwatch.findings import Finding
-from gradwatch.rules import Rule
 
 
 class Rollback(Action):
@@ -16,7 +15,7 @@ class Rollback(Action):
 
     name = "rollback"
 
-    def apply(self, rule: Rule | None, finding: Finding, control: Control) -> dict[str, Any]:
+    def apply(self, rule: Params | None, finding: Finding, control: Control) -> dict[str, Any]:
         """Roll back."""
         assert rule is not None
         return control.rollback(rule.param("skip_batches"), rule.param("lr_scale"), rule.param("max_rollbacks"))

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradwatch.actions import Action, Control
+from gradwatch.actions.base import Action, Control, Params
 from gradwatch.findings import Finding
-from gradwatch.rules import Rule
 
 
 class ScaleLr(Action):
@@ -14,7 +13,7 @@ class ScaleLr(Action):
 
     name = "scale_lr"
 
-    def apply(self, rule: Rule | None, finding: Finding, control: Control) -> dict[str, Any]:
+    def apply(self, rule: Params | None, finding: Finding, control: Control) -> dict[str, Any]:
         """Scale the learning rate."""
         assert rule is not None
         return control.scale_lr(rule.param("factor"))

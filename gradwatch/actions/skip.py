@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradwatch.actions import Action, Control
+from gradwatch.actions.base import Action, Control, Params
 from gradwatch.findings import Finding
-from gradwatch.rules import Rule
 
 
 class Skip(Action):
@@ -14,6 +13,6 @@ class Skip(Action):
 
     name = "skip"
 
-    def apply(self, rule: Rule | None, finding: Finding, control: Control) -> dict[str, Any]:
+    def apply(self, rule: Params | None, finding: Finding, control: Control) -> dict[str, Any]:
         """Skip the step."""
         return control.skip(rule.param("max_consecutive") if rule is not None else 0)

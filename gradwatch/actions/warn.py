@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradwatch.actions import Action, Control
+from gradwatch.actions.base import Action, Control, Params
 from gradwatch.findings import Finding
-from gradwatch.rules import Rule
 
 
 class Warn(Action):
@@ -14,6 +13,6 @@ class Warn(Action):
 
     name = "warn"
 
-    def apply(self, rule: Rule | None, finding: Finding, control: Control) -> dict[str, Any]:
+    def apply(self, rule: Params | None, finding: Finding, control: Control) -> dict[str, Any]:
         """Do nothing."""
         return {}

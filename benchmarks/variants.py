@@ -1,0 +1,123 @@
+"""Overhead benchmark, variants: one training loop per way of watching it (bare, gradwatch's settings, references)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from workloads import SEED, Batch, Workload
+
+import gradwatch as gw
+from gradwatch import detectors
+
+VARIANTS = ("bare", "gradwatch", "gradwatch_no_origin", "gradwatch_record_only", "gradwatch_stats_only",
+            "gradwatch_all", "naive", "anomaly", "foreach")
+
+
+# ---------------------------------------------------------------- the loop
+def _nothing(*args: Any) -> None:
+    return None
+
+
+@dataclass
+class Loop:
+    """One variant of one workload: its own model copy and optimizer, and an ordinary training loop."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: list[Batch]
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    on_loss: Callable[[Tensor], None] = _nothing
+    on_backward: Callable[[], None] = _nothing
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    after_block: Callable[[], None] = _nothing
+    close: Callable[[], None] = _nothing
+    run_dir: Path | None = None
+    done: int = 0
+
+    def run(self, steps: int) -> float:
+        """Train ``steps`` steps; return the elapsed seconds."""
+        start = time.perf_counter()
+        with self.context():
+            for _ in range(steps):
+                self.step()
+        self.after_block()
+        return time.perf_counter() - start
+
+    def step(self) -> None:
+        x, y = self.batches[self.done % len(self.batches)]
+        self.done += 1
+        self.optimizer.zero_grad()
+        loss = self.loss_fn(self.model(x), y)
+        self.on_loss(loss)
+        loss.backward()
+        self.on_backward()
+        self.optimizer.step()
+
+
+def make_loop(workload: Workload, batches: list[Batch]) -> Loop:
+    torch.manual_seed(SEED)
+    model = workload.build()
+    return Loop(model, workload.optimizer(model.parameters()), batches, workload.loss)
+
+
+# ---------------------------------------------------------------- variants
+def with_gradwatch(loop: Loop, run_dir: Path, **options: Any) -> None:
+    """Watch the loop's model into ``run_dir``: default rules and options unless ``options`` say otherwise."""
+    gw.watch(loop.model, run=run_dir, overwrite=True, **{"rules": "default", "console": False, **options})
+    loop.on_loss = lambda loss: gw.watcher(loop.model).observe(loss=loss)
+    loop.after_block = lambda: gw.watcher(loop.model).flush()
+    loop.close = lambda: gw.unwatch(loop.model)
+    loop.run_dir = run_dir
+
+
+def _first_tensor(output: Any) -> Tensor:
+    return output if isinstance(output, Tensor) else output[0]
+
+
+def with_naive(loop: Loop, run_dir: Path) -> None:
+    def grad_hook(grad: Tensor) -> None:
+        grad.norm().item()
+
+    def forward_hook(module: nn.Module, args: Any, output: Any) -> None:
+        _first_tensor(output).norm().item()
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    handles = [p.register_hook(grad_hook) for p in loop.model.parameters()]
+    handles += [m.register_forward_hook(forward_hook) for m in loop.model.modules() if not any(m.children())]
+    loop.close = remove
+
+
+def with_anomaly(loop: Loop, run_dir: Path) -> None:
+    loop.context = lambda: torch.autograd.set_detect_anomaly(True)
+
+
+def with_foreach(loop: Loop, run_dir: Path) -> None:
+    def read_norms() -> None:
+        grads = [p.grad for p in loop.model.parameters() if p.grad is not None]
+        torch.stack(torch._foreach_norm(grads)).cpu()
+
+    loop.on_backward = read_norms
+
+
+SETUP: dict[str, Callable[[Loop, Path], None]] = {
+    "bare": _nothing,
+    "gradwatch": with_gradwatch,
+    "gradwatch_no_origin": lambda loop, run_dir: with_gradwatch(loop, run_dir, origin=False),
+    "gradwatch_record_only": lambda loop, run_dir: with_gradwatch(loop, run_dir, rules=None),
+    "gradwatch_stats_only": lambda loop, run_dir: with_gradwatch(
+        loop, run_dir, rules=None, origin=False, detectors={kind: {"enabled": False} for kind in detectors.REGISTRY}),
+    "gradwatch_all": lambda loop, run_dir: with_gradwatch(loop, run_dir, sample_every=1),
+    "naive": with_naive,
+    "anomaly": with_anomaly,
+    "foreach": with_foreach,
+}

@@ -1,0 +1,124 @@
+"""Overhead benchmark, workloads: the seeded synthetic models, data and optimizers it trains (no downloads)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SEED = 0
+#: distinct batches per workload, generated once and cycled through by every variant
+POOL = 8
+
+Batch = tuple[Tensor, Tensor]
+
+
+# ------------------------------------------------------------------ workloads
+class Block(nn.Module):
+    """Pre-LN transformer block with causal self-attention."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.act = nn.GELU()
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(self.act(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Small GPT-style decoder: token and learned position embeddings, blocks, LM head."""
+
+    def __init__(self, vocab: int = 512, seq: int = 128, d_model: int = 256, heads: int = 4, layers: int = 6) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_batch(gen: torch.Generator, vocab: int = 512, seq: int = 128, batch: int = 8) -> Batch:
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def deep_mlp(depth: int = 48, width: int = 128) -> nn.Module:
+    """Linear + ReLU layers with He initialisation, so activations neither vanish nor explode."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        linear = nn.Linear(width, width)
+        nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
+        nn.init.zeros_(linear.bias)
+        layers += [linear, nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def mlp_batch(gen: torch.Generator) -> Batch:
+    return torch.randn(64, 128, generator=gen), torch.randn(64, 128, generator=gen)
+
+
+def small_cnn() -> nn.Module:
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+
+    return nn.Sequential(
+        *block(3, 32), nn.MaxPool2d(2),
+        *block(32, 64), nn.MaxPool2d(2),
+        *block(64, 128), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(128, 10),
+    )
+
+
+def cnn_batch(gen: torch.Generator) -> Batch:
+    return torch.randn(32, 3, 32, 32, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, its optimizer, its data and loss, and how it is measured by default."""
+
+    build: Callable[[], nn.Module]
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    batch: Callable[[torch.Generator], Batch]
+    loss: Callable[[Tensor, Tensor], Tensor]
+    steps: int  # steps per block, a multiple of gradwatch's default sampling period
+    rounds: int
+    target: float  # the largest acceptable ratio of gradwatch at default settings to bare
+
+    def batches(self) -> list[Batch]:
+        gen = torch.Generator().manual_seed(SEED)
+        return [self.batch(gen) for _ in range(POOL)]
+
+
+WORKLOADS = {
+    "gpt": Workload(GPT, lambda p: torch.optim.AdamW(p, lr=3e-4), gpt_batch, lm_loss, steps=10, rounds=5, target=1.04),
+    "mlp": Workload(deep_mlp, lambda p: torch.optim.SGD(p, lr=1e-3), mlp_batch, F.mse_loss, steps=50, rounds=11,
+                    target=1.20),
+    "cnn": Workload(small_cnn, lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), cnn_batch, F.cross_entropy,
+                    steps=20, rounds=9, target=1.04),
+}

@@ -1,0 +1,193 @@
+"""Iterations: the probe's forward and backward moments, and what ends between two optimizer steps.
+
+An iteration runs from one forward of the root module to the next. Its gradients are either
+applied by an optimizer step (the lifecycle's business), kept for the next micro-batch (gradient
+accumulation: the iteration joins the next step), or dropped without a step (a GradScaler
+overflow: recorded as a skipped step). The next backward tells which of the last two it was, by
+a sentinel parameter's gradient: still the same tensor at the same version, or not.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from gradwatch.errors import TrainingHalted
+from gradwatch.layout import Discovered
+from gradwatch.observed import Observed, merge
+from gradwatch.options import Options
+from gradwatch.origin import Tracker
+from gradwatch.probe import Probe
+
+log = logging.getLogger("gradwatch")
+
+
+class Steps(Protocol):
+    """What an iteration needs of the step lifecycle it belongs to."""
+
+    step: int
+    closed: bool
+
+    def sampled(self, step: int) -> bool:
+        """Whether ``step`` takes activation statistics."""
+
+    def has_open_step(self) -> bool:
+        """Whether a step is open (between its optimizer step and the next forward)."""
+
+    def close_step(self) -> None:
+        """Close the open step (a new iteration begins)."""
+
+    def dropped(self, observed: Observed) -> None:
+        """Record an iteration whose gradients were dropped without an optimizer step."""
+
+    def failed(self, exc: Exception) -> None:
+        """An internal error of gradwatch's: detach, leaving training alone."""
+
+
+def guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a hook so that a gradwatch bug detaches gradwatch instead of breaking training."""
+
+    @functools.wraps(hook)
+    def run(self: Any, *args: Any) -> Any:
+        try:
+            return hook(self, *args)
+        except TrainingHalted:
+            raise
+        except Exception as exc:
+            log.exception("gradwatch: internal error in %s", hook.__name__)
+            self.failed(exc)
+            return None
+
+    return run
+
+
+class Iteration:
+    """Tracks the iterations of one watched model through the probe's forward and backward hooks.
+
+    Args:
+        model: the watched model.
+        found: its discovered layout.
+        options: the run's settings.
+        tracker: non-finite origin tracking (captures each forward's inputs), or None.
+        steps: the lifecycle these iterations belong to.
+        on_step_pre, on_step_post: the lifecycle's optimizer step hooks.
+    """
+
+    def __init__(self, model: nn.Module, found: Discovered, options: Options, tracker: Tracker | None,
+                 steps: Steps, *, on_step_pre: Callable[..., Any], on_step_post: Callable[..., Any]) -> None:
+        self._steps, self._options, self._tracker = steps, options, tracker
+        self._compiled = type(model).__name__ == "OptimizedModule"
+        self.found = found
+        #: values observed for the coming step
+        self.observed: Observed = {}
+        #: the sentinel's gradient (id, version) after the last backward since the last step
+        self.backward: tuple[int, int] | None = None
+        #: observations and activations of an iteration that ended without a step, until the
+        #: next backward tells whether it was gradient accumulation or a dropped step
+        self.carry: tuple[Observed, list[Any]] | None = None
+        self.probe = Probe(model, on_forward=self.forward_started, on_step_pre=on_step_pre,
+                           on_step_post=on_step_post, on_backward_start=self.backward_started,
+                           on_backward_end=self.backward_done)
+        self.sentinel = 0
+        self.relayout(found)
+
+    def failed(self, exc: Exception) -> None:
+        """An internal error in one of this object's hooks."""
+        self._steps.failed(exc)
+
+    def relayout(self, found: Discovered) -> None:
+        """A new layout: the sentinel moves to its first trainable parameter."""
+        self.found = found
+        self.sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
+        self.probe.watch_backward(found.params[self.sentinel])
+
+    def move_sentinel(self) -> None:
+        """Put the sentinel on a parameter that does receive gradients."""
+        for i, p in enumerate(self.found.params):
+            if p.grad is not None:
+                self.sentinel = i
+                self.probe.watch_backward(p)
+                return
+
+    # ----------------------------------------------------------------- hooks
+    @guarded
+    def forward_started(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
+        """A forward of the root module: a new iteration (it may belong to this step or the next)."""
+        steps = self._steps
+        if steps.closed:
+            return
+        if steps.has_open_step():
+            steps.close_step()
+        if self.backward is not None and self.carry is None:
+            self.carry = (self.observed, self.probe.take_activations())
+            self.observed = {}
+        if self._tracker is not None:
+            self._tracker.capture(args, kwargs or {})
+        upcoming = (steps.step, steps.step + 1) if self.carry is not None else (steps.step,)
+        if self._options.activations and not self._compiled and any(steps.sampled(s) for s in upcoming):
+            self.probe.attach_activations(self.found.leaf_modules)
+
+    @guarded
+    def backward_started(self, grad: torch.Tensor | None = None) -> None:
+        """A backward pass begins: the previous iteration's gradients were kept, or dropped."""
+        if self._steps.closed:
+            return
+        if self._tracker is not None and grad is not None:
+            self._tracker.output_grad(grad)
+        if self.backward is None:
+            return
+        dropped = self.gradients_dropped()
+        self.backward = None
+        if dropped:  # the previous iteration's gradients were dropped without an optimizer step
+            carry, self.carry = self.carry, None
+            self._steps.dropped(carry[0] if carry else {})
+        else:
+            self.merge_carry()
+
+    @guarded
+    def backward_done(self, param: torch.Tensor) -> None:
+        """A backward pass reached the sentinel: remember its gradient as it is now."""
+        grad = param.grad
+        if grad is not None:
+            self.backward = (id(grad), grad._version)
+
+    def gradients_dropped(self) -> bool:
+        """Whether the gradients of the last backward were cleared (set to None or zeroed)."""
+        grad = self.found.params[self.sentinel].grad
+        return grad is None or (id(grad), grad._version) != self.backward
+
+    def merge_carry(self) -> None:
+        """The iteration that ended without a step was a micro-batch of gradient accumulation."""
+        if self.carry is None:
+            return
+        (observed, acts), self.carry = self.carry, None
+        self.observed = merge(observed, self.observed)
+        if self._steps.sampled(self._steps.step):
+            self.probe.activations[:0] = acts
+        else:
+            self.probe.detach_activations()  # attached in case this forward began the next step
+
+    def stepped(self) -> None:
+        """An optimizer step opens: the iterations since the last one are its micro-batches."""
+        self.backward = None
+        self.merge_carry()
+
+    def aside(self, closure: Callable[[], Any]) -> Any:
+        """Run a closure with gradwatch's hooks standing aside and the iteration's state kept."""
+        saved = self.backward, self.observed, self.probe.paused
+        self.observed, self.probe.paused = {}, True
+        try:
+            return closure()
+        finally:
+            self.backward, self.observed, self.probe.paused = saved
+
+    def close(self) -> None:
+        """The run closes: a last iteration whose gradients were dropped is recorded as a step."""
+        if self.backward is not None and self.gradients_dropped():
+            carry, self.carry = self.carry, None
+            self._steps.dropped(carry[0] if carry else self.observed)

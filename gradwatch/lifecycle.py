@@ -1,0 +1,248 @@
+"""Step lifecycle: one optimizer step told top to bottom — open, measure, judge, act, record, close."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradwatch import observed as obs
+from gradwatch import stats
+from gradwatch.control import LoopControl
+from gradwatch.errors import TrainingHalted
+from gradwatch.findings import Finding
+from gradwatch.iteration import Iteration, guarded
+from gradwatch.judge import Judge
+from gradwatch.layout import Discovered, unwrap
+from gradwatch.measure import Launched, Measure
+from gradwatch.optimizers import Optimizers, closure_at, measured_closure, replace_closure
+from gradwatch.options import Options
+from gradwatch.origin import Tracker
+from gradwatch.recording import Open, Recording
+from gradwatch.records import StepRecord
+from gradwatch.snapshots import Snapshots, rng_state
+from gradwatch.writer import Writer
+
+
+@dataclass
+class Measured:
+    """A step's statistics after its one host read."""
+
+    launched: Launched
+    vectors: dict[tuple[str, str], np.ndarray]
+    scalars: dict[str, float]
+    total: float  # the global gradient norm
+    nonfinite: bool  # some gradient holds inf or NaN
+
+
+class Lifecycle(Recording):
+    """The steps of one watched model: the optimizer step moment, and the story of each step.
+
+    Args:
+        model: the watched model (held weakly).
+        found: its discovered layout.
+        options, judge, control, writer: the run's settings and stages.
+        tracker: non-finite origin tracking, or None.
+        group: the process group of distributed training, or None.
+        snapshots: known-good snapshots kept for rollback rules, or None.
+        failed: called with an internal error of gradwatch's (the watcher detaches).
+    """
+
+    def __init__(self, model: nn.Module, found: Discovered, options: Options, *, judge: Judge,
+                 control: LoopControl, writer: Writer, tracker: Tracker | None, group: Any,
+                 snapshots: Snapshots | None, failed: Callable[[Exception], None]) -> None:
+        self.options, self.judge, self.control, self.writer = options, judge, control, writer
+        self.tracker, self.group, self.snapshots, self.failed = tracker, group, snapshots, failed
+        self.step = 0
+        self.closed = False
+        self._model = weakref.ref(model)
+        self.found, self.measure = found, Measure(found)
+        self.optimizers = Optimizers(found.params, grown=self.refresh_layout,
+                                     named=lambda names: writer.submit_meta(optimizers=names))
+        self.open = self.pending = None
+        self.current = None
+        self.latest = {}
+        self.since_snapshot = 0
+        #: set by a framework integration (``Watcher.integrate``)
+        self.on_halt: Callable[[TrainingHalted], None] | None = None
+        self.before_step: Callable[[], None] | None = None
+        self.signalled = False
+        self.leave_out = False  # the coming step is left out (a rollback's skip_batches)
+        # last: the probe's hooks are live from here on
+        self.it = Iteration(model, found, options, tracker, self, on_step_pre=self.step_pre,
+                            on_step_post=self.step_post)
+
+    # --------------------------------------------------------- the step moment
+    @guarded
+    def step_pre(self, opt: torch.optim.Optimizer, args: tuple[Any, ...] = (),
+                 kwargs: dict[str, Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Optimizer step pre-hook: the step, or (``step(closure)``) the closure wrapped to open it."""
+        if self.signalled:
+            return None
+        kwargs = kwargs or {}
+        at = closure_at(opt, args, kwargs)
+        if at is None:
+            self.step_at(opt, False)
+            return None
+        if self.closed or self.optimizers.entry(opt) is None:
+            return None
+        # branch: optimizer.step(closure) — the gradients exist only once step() has run the closure
+        return replace_closure(args, kwargs, at, measured_closure(
+            kwargs[at] if isinstance(at, str) else args[at],
+            evaluated=lambda loss: self._evaluated(opt, loss), aside=self.it.aside, closed=lambda: self.closed))
+
+    def _evaluated(self, opt: torch.optim.Optimizer, loss: Any) -> None:
+        """A closure's first evaluation computed the gradients: its loss is observed unless it observed one."""
+        if loss is not None and "loss" not in self.it.observed:
+            self.it.observed["loss"] = [obs.validated("loss", loss)]
+        self.signalled_step(opt, False)
+
+    @guarded
+    def signalled_step(self, opt: torch.optim.Optimizer, scaled: bool) -> None:
+        """A framework (or a closure's first evaluation) says the gradients are final."""
+        self.step_at(opt, scaled)
+
+    def step_at(self, opt: torch.optim.Optimizer, scaled: bool) -> None:
+        """The gradients ``opt`` is about to apply are final: open the step, or join the open one."""
+        entry = None if self.closed else self.optimizers.entry(opt)
+        if entry is None:
+            return
+        if self.open is not None and id(opt) in self.open.optimizers:
+            self.close_step()  # the same optimizer steps again: a new iteration without a forward
+        if self.open is None:
+            if self.before_step is not None:
+                self.before_step()  # a framework observes values, or leaves the step out
+            try:
+                self.open = self._begin(opt, scaled)
+            except TrainingHalted as halt:
+                if self.on_halt is None:
+                    raise
+                self.control.withhold(opt)
+                self.on_halt(halt)
+                return
+            if self.open is None:  # a GradScaler overflow: the scaler will not step
+                return
+        self.open.optimizers.add(id(opt))
+        if self.open.skip:  # act: this optimizer applies nothing
+            self.control.hold(opt, [self.found.params[i] for i in entry.indices])
+
+    def _begin(self, opt: torch.optim.Optimizer, scaled: bool) -> Open | None:
+        """The story of one step, up to the optimizer's update; None when the GradScaler drops it."""
+        step, now = self._count()                                   # open
+        if self.leave_out:                                          # branch: an integration leaves it out
+            return self._left_out(step, opt)
+        measured = self._measure(step, opt)                         # measure: the step's one host read
+        if scaled and measured.nonfinite:                           # branch: the scaler skips the update
+            self._skipped(StepRecord(step=step, time=now, layout=self.found.layout, scalars=measured.scalars,
+                                     skipped=True, logged=self.logged(step)))
+            return None
+        record = StepRecord(step=step, time=now, layout=self.found.layout,
+                            scalars={"grad_norm": measured.total, **measured.scalars}, vectors=measured.vectors,
+                            logged=self.logged(step) or measured.nonfinite, sampled=measured.launched.sampled,
+                            detail=measured.launched.sampled or measured.nonfinite)
+        findings = self._judge(record, measured.nonfinite)          # judge
+        self._act(record, findings, measured)                       # act (a halt raises)
+        if self.control.skipping:                                   # branch: skipped or rolled back
+            record.skipped = True
+            return Open(record, skip=True)
+        self.control.healthy()
+        if self.snapshots is not None and not any(f.severity != "info" for f in findings):
+            self._keep_snapshot(record.step)
+        return Open(record, before=self.measure.snapshot(measured.launched))  # recorded when it closes
+
+    def _count(self) -> tuple[int, float]:
+        """Open a step: its number and time; the iteration's micro-batches join it."""
+        step, now = self.step, time.time()
+        self.step += 1
+        self.it.stepped()
+        return step, now
+
+    def _measure(self, step: int, opt: torch.optim.Optimizer) -> Measured:
+        """Launch the step's statistics and read them, with the observed values, in one host read."""
+        if step == 0 and self.found.params[self.it.sentinel].grad is None:
+            self.it.move_sentinel()
+        sampled = self.sampled(step)
+        launched = self.measure.launch(sampled, self.it.probe.take_activations() if sampled else [])
+        observed, self.it.observed = self.it.observed, {}
+        obs_parts = obs.device_parts(observed)
+        lr = opt.param_groups[0].get("lr") if "lr" not in observed else None
+        lr_parts = [lr] if isinstance(lr, torch.Tensor) else []
+        pending = self.pending.update_parts if self.pending is not None else []
+        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *pending])  # the step's one read
+        if launched.sharded and self.group is not None:  # FSDP: the shards' statistics make the model's
+            spans = self.measure.spans(launched)
+            if pending:
+                start = len(launched.parts) + len(obs_parts) + len(lr_parts)
+                spans.append((start, start + len(pending), "norm"))
+            host = self.group.combine(host, spans)
+        k = len(launched.parts)
+        vectors = self.measure.vectors(launched, host[:k])
+        scalars = obs.scalars(observed, host[k:k + len(obs_parts)])
+        k += len(obs_parts)
+        if lr_parts:
+            scalars["lr"], k = float(host[k]), k + 1
+        elif isinstance(lr, numbers.Real):
+            scalars["lr"] = float(lr)
+        if self.pending is not None:  # the previous sampled step's update norms came with this read
+            self._record_pending(host[k:])
+        if sampled and not self.sampled(step + 1):
+            self.it.probe.detach_activations()
+        gnorm = host[:len(launched.gidx)]
+        total = float(np.sqrt(np.sum(gnorm**2))) if len(gnorm) else math.nan
+        return Measured(launched, vectors, scalars, total, nonfinite=not np.isfinite(gnorm).all())
+
+    def _judge(self, record: StepRecord, nonfinite: bool) -> list[Finding]:
+        """What is wrong with the step: the detectors' findings (every rank agreeing), with the
+        origin of a non-finite value found by replaying the step.
+        """
+        self.latest = record.scalars
+        loss = record.scalars.get("loss")
+        loss_finite = loss is None or math.isfinite(loss)
+        if self.tracker is not None:
+            if nonfinite or not loss_finite:
+                self.it.probe.paused = True
+                try:
+                    record.origin = self.tracker.find(loss_finite)
+                finally:
+                    self.it.probe.paused = False
+            self.tracker.clear()
+        findings = self.judge.check(record)
+        if self.group is not None:  # every rank judges the same findings: the same action everywhere
+            if self.group.due(record.step):
+                findings += self.group.check_replicas(record.step, self.found.params, self.owners())
+            findings = self.group.share(findings)
+        return findings
+
+    def _act(self, record: StepRecord, findings: list[Finding], measured: Measured) -> None:
+        """The rules' actions on the findings, before the optimizer applies the step (a halt raises)."""
+        self.control.begin(record.step, measured.launched.grads, measured.total)
+        self.current = record
+        try:
+            self.judge.step(record, findings, self.control)
+        finally:
+            self.control.end()
+        self.current = None
+
+    def model(self) -> nn.Module:
+        """The watched model (the user's module inside any compile/DDP wrapper)."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the watched model was garbage-collected")
+        return unwrap(model)
+
+    def _keep_snapshot(self, step: int) -> None:
+        """Keep a known-good snapshot every ``snapshot_every`` healthy steps (rollback rules only)."""
+        assert self.snapshots is not None
+        self.since_snapshot += 1
+        if self.snapshots.items and self.since_snapshot < self.options.snapshot_every:
+            return
+        self.since_snapshot = 0
+        self.snapshots.take(step, self.model(), *self.control.objects(), rng_state())

@@ -1,0 +1,106 @@
+"""Optimizer discovery and closures: which optimizers step the watched parameters, and ``step(closure)``."""
+
+from __future__ import annotations
+
+import numbers
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Entry:
+    """What one optimizer steps of the watched model."""
+
+    count: int  # parameters the optimizer held when indexed
+    indices: list[int]  # the watched parameters' indices that it holds
+
+
+class Optimizers:
+    """The optimizers seen stepping the watched parameters, indexed lazily at their first step.
+
+    Args:
+        params: the watched parameters, in layout order.
+        grown: called when an optimizer holds parameters the layout does not know (parameters
+            added to the model and the optimizer); it re-discovers the layout and calls :meth:`reindex`.
+        named: called with the sorted class names of the optimizers whenever a new one is seen.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], *, grown: Callable[[], None],
+                 named: Callable[[list[str]], None]) -> None:
+        self._grown = grown
+        self._named = named
+        self.reindex(params)
+
+    def reindex(self, params: Sequence[torch.Tensor]) -> None:
+        """A new layout: forget every optimizer's entry."""
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._entries: weakref.WeakKeyDictionary[torch.optim.Optimizer, Entry] = weakref.WeakKeyDictionary()
+
+    def entry(self, opt: torch.optim.Optimizer) -> Entry | None:
+        """What ``opt`` steps of the model; None when it holds none of the watched parameters."""
+        count = sum(len(g["params"]) for g in opt.param_groups)
+        entry = self._entries.get(opt)
+        if entry is None or entry.count != count:
+            held = [p for g in opt.param_groups for p in g["params"]]
+            if entry is not None and any(id(p) not in self._index for p in held):
+                self._grown()  # parameters were added to the model and the optimizer
+            entry = Entry(count, [self._index[id(p)] for p in held if id(p) in self._index])
+            known = opt in self._entries
+            self._entries[opt] = entry
+            if not known and entry.indices:
+                self._named(sorted({type(o).__name__ for o in self.all()}))
+        return entry if entry.indices else None
+
+    def all(self) -> list[torch.optim.Optimizer]:
+        """The optimizers seen stepping the model's parameters."""
+        return [opt for opt, entry in list(self._entries.items()) if entry.indices]
+
+
+def closure_at(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | str | None:
+    """Where ``optimizer.step(closure)`` holds its closure: ``"closure"`` (keyword), the index of
+    the positional argument (the step pre-hook's ``args`` start with the optimizer itself), or None.
+    """
+    if callable(kwargs.get("closure")):
+        return "closure"
+    first = 1 if args and args[0] is opt else 0
+    return first if len(args) > first and callable(args[first]) else None
+
+
+def replace_closure(args: tuple[Any, ...], kwargs: dict[str, Any], at: int | str,
+                    closure: Callable[[], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The step's arguments with the closure at ``at`` (from :func:`closure_at`) replaced."""
+    if isinstance(at, str):
+        return args, {**kwargs, at: closure}
+    return (*args[:at], closure, *args[at + 1:]), kwargs
+
+
+def measured_closure(closure: Callable[[], Any], *, evaluated: Callable[[Any], None],
+                     aside: Callable[[Callable[[], Any]], Any], closed: Callable[[], bool]) -> Callable[[], Any]:
+    """Wrap a step's closure so that the step is measured once its first evaluation has computed
+    the gradients, before the optimizer uses them.
+
+    Args:
+        closure: the user's closure.
+        evaluated: called with the first evaluation's loss (a one-element tensor, a number, or
+            None when the closure returned neither): it measures, judges and acts on the step.
+        aside: runs a later evaluation in the same step (an L-BFGS line search): the
+            optimizer's business, not a new iteration.
+        closed: whether the watcher has closed (every evaluation is then set aside).
+    """
+    calls = 0
+
+    def measured() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1 or closed():
+            return aside(closure)
+        loss = closure()
+        scalar = (isinstance(loss, torch.Tensor) and loss.numel() == 1) or isinstance(loss, numbers.Real)
+        evaluated(loss if scalar else None)
+        return loss
+
+    return measured

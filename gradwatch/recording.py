@@ -1,0 +1,223 @@
+"""Record stage: how a step ends — closed and written (sampled steps wait a step for their update
+norms), or recorded without measurement when it is left out or its gradients are dropped.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradwatch import observed as obs
+from gradwatch import stats
+from gradwatch.control import LoopControl
+from gradwatch.iteration import Iteration, guarded
+from gradwatch.judge import Judge
+from gradwatch.layout import Discovered, discover
+from gradwatch.measure import Measure
+from gradwatch.optimizers import Optimizers
+from gradwatch.options import Options
+from gradwatch.origin import Tracker
+from gradwatch.records import StepRecord
+from gradwatch.snapshots import Snapshots
+from gradwatch.writer import Writer
+
+
+@dataclass
+class Open:
+    """A step between its optimizer pre-hook and the start of the next iteration."""
+
+    record: StepRecord
+    optimizers: set[int] = field(default_factory=set)
+    before: dict[int, torch.Tensor] = field(default_factory=dict)  # weights before the update
+    update_idx: list[int] = field(default_factory=list)
+    update_parts: list[torch.Tensor] = field(default_factory=list)  # ||delta w|| per parameter
+    skip: bool = False  # an action decided that this step changes nothing
+
+
+
+class Recording:
+    """The state of a watched model's steps, and how each one ends; the story of a step that
+    uses it is :class:`gradwatch.lifecycle.Lifecycle`.
+    """
+
+    options: Options
+    judge: Judge
+    control: LoopControl
+    writer: Writer
+    tracker: Tracker | None
+    group: Any
+    snapshots: Snapshots | None
+    failed: Callable[[Exception], None]
+    step: int
+    closed: bool
+    found: Discovered
+    measure: Measure
+    optimizers: Optimizers
+    it: Iteration
+    _model: weakref.ref[torch.nn.Module]
+    #: the step between its optimizer pre-hook and the start of the next iteration
+    open: Open | None
+    #: a closed sampled step waiting for its update norms (read with the next step's host read)
+    pending: Open | None
+    #: the step being judged
+    current: StepRecord | None
+    latest: dict[str, float]
+    leave_out: bool
+
+    def sampled(self, step: int) -> bool:
+        """Whether ``step`` takes the costlier statistics (update ratios, activations)."""
+        return step % self.options.sample_period == 0
+
+    def logged(self, step: int) -> bool:
+        """Whether ``step``'s full per-layer rows are written."""
+        return step % self.options.log_every == 0
+
+    def has_open_step(self) -> bool:
+        """Whether a step is open (between its optimizer step and the next forward)."""
+        return self.open is not None
+
+    # ------------------------------------------------------------- branches
+    def _left_out(self, step: int, opt: torch.optim.Optimizer) -> Open:
+        """A step an integration leaves out (``Watcher.leave_out``): not measured nor judged, not applied."""
+        self.leave_out = False
+        self.it.probe.take_activations()
+        observed, self.it.observed = self.it.observed, {}
+        lr = opt.param_groups[0].get("lr")
+        if "lr" not in observed and isinstance(lr, (numbers.Real, torch.Tensor)):
+            observed["lr"] = [lr]
+        record = self.unmeasured(step, observed)
+        if not self.sampled(self.step):
+            self.it.probe.detach_activations()
+        self.latest = record.scalars
+        return Open(record, skip=True)
+
+    def unmeasured(self, step: int, observed: obs.Observed) -> StepRecord:
+        """The record of a step whose gradients are not measured: its observed scalars only."""
+        obs_parts = obs.device_parts(observed)
+        pending = self.pending.update_parts if self.pending is not None else []
+        host = stats.to_host([*obs_parts, *pending])
+        scalars = obs.scalars(observed, host[: len(obs_parts)])
+        if self.pending is not None:
+            self._record_pending(host[len(obs_parts):])
+        record = StepRecord(step=step, time=time.time(), layout=self.found.layout, scalars=scalars,
+                            skipped=True, logged=self.logged(step))
+        if self.tracker is not None:
+            self.tracker.clear()
+        return record
+
+    def dropped(self, observed: obs.Observed) -> None:
+        """An iteration whose gradients were dropped without an optimizer step (a GradScaler overflow)."""
+        step = self.step
+        self.step += 1
+        self._skipped(self.unmeasured(step, observed))
+
+    def _skipped(self, record: StepRecord) -> None:
+        """Judge and record a step whose update a GradScaler dropped (findings act at the next step)."""
+        if self.tracker is not None:
+            self.tracker.clear()
+        self.latest = record.scalars
+        findings = self.judge.check(record)
+        self.submit(record)
+        if findings:
+            self.judge.defer(findings)
+        if not self.sampled(self.step):
+            self.it.probe.detach_activations()
+
+    @guarded
+    def step_post(self, opt: torch.optim.Optimizer) -> None:
+        """Optimizer step post-hook: give a skipped step's gradients back, or measure the update."""
+        step = self.open
+        if step is None:
+            return
+        if step.skip:
+            self.control.give_back(opt)
+            return
+        entry = self.optimizers.entry(opt)
+        if entry is None or not step.before:
+            return
+        idx, parts = self.measure.update_norms(step.before, entry.indices)
+        step.update_idx += idx
+        step.update_parts += parts
+
+    def close_step(self) -> None:
+        """Close the open step: record it now, or with its update norms at the next host read."""
+        step, self.open = self.open, None
+        assert step is not None
+        step.before.clear()
+        if step.update_parts:
+            self.pending = step
+        else:
+            self.submit(step.record)
+
+    def _record_pending(self, host: np.ndarray) -> None:
+        """Complete the previous sampled step with its update norms, judge its update, and record it."""
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        self.measure.update_ratios(pending.record.vectors, pending.update_idx, host)
+        late = self.judge.check_late(pending.record)
+        if late:
+            pending.record.logged = pending.record.detail = True
+        self.submit(pending.record)
+        if late:
+            self.judge.defer(late)
+
+    def submit(self, record: StepRecord) -> None:
+        """Hand a finished step to the writer thread (and the flight recorder)."""
+        self.writer.submit(record)
+        self.judge.remember(record)
+
+    # ------------------------------------------------------------ the whole run
+    def finish(self) -> None:
+        """The run closes: record the open, dropped and pending steps."""
+        if self.open is not None:
+            self.close_step()
+        if self.tracker is not None:
+            self.tracker.clear()
+        self.it.close()
+        if self.pending is not None:
+            self._record_pending(stats.to_host(self.pending.update_parts))
+
+    def halt(self) -> None:
+        """A rule halts training: the step being judged is recorded in full; nothing stays open."""
+        self.open = None
+        if self.current is not None:
+            self.current.logged = self.current.detail = True
+            self.submit(self.current)
+            self.current = None
+
+    def abandon(self) -> None:
+        """After an internal error: drop what is in flight (it cannot be trusted)."""
+        self.open = self.pending = None
+        self.it.carry = None
+
+    def owners(self) -> list[str | None]:
+        """The layer each parameter belongs to, in parameter order."""
+        layout = self.found.layout
+        owners: list[str | None] = [None] * len(layout.params)
+        for layer, param in layout.owners:
+            owners[param] = layout.layers[layer]
+        return owners
+
+    def refresh_layout(self) -> None:
+        """Re-discover the model's layers; a changed set gets a new layout version."""
+        model = self._model()
+        if model is None:
+            return
+        found = discover(model, version=self.found.layout.version + 1)
+        if (found.layout.layers, found.layout.params) == (self.found.layout.layers, self.found.layout.params):
+            return
+        if self.open is not None:
+            self.close_step()
+        if self.pending is not None:
+            self._record_pending(stats.to_host(self.pending.update_parts))
+        self.it.probe.detach_activations()
+        self.found, self.measure = found, Measure(found)
+        self.optimizers.reindex(found.params)
+        self.it.relayout(found)
