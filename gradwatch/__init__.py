@@ -8,10 +8,9 @@ Attach with one line, train as usual, then read the run::
     run = gw.open_run("runs/exp1")
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from gradwatch.errors import (
     ConfigError,
@@ -25,7 +24,7 @@ from gradwatch.errors import (
 )
 from gradwatch.version import __version__
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     from gradwatch.findings import Finding
     from gradwatch.registry import unwatch, watch, watcher
     from gradwatch.rules import Rule
@@ -46,17 +45,18 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'gradwatch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    """The public API (``__all__``): what ``dir(gradwatch)`` and tab completion offer."""
+    return sorted(__all__)
 
 
 __all__ = [

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sqlite3
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import pandas as pd
 
 from gradwatch.errors import RunError, SchemaError
 from gradwatch.records import LAYER, PARAM, Layout, StepRecord
+from gradwatch.store import names as _names
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION, unpack
 
 
@@ -55,10 +57,15 @@ def _bits(mask: bytes, cols: list[int]) -> np.ndarray:
 
 
 FINDING_COLUMNS = ["step", "kind", "severity", "layer", "phase", "message", "action", "data"]
+#: findings columns that can be missing (a global finding has no layer): None there, never NaN
+_NULLABLE = ("layer", "phase", "action")
 
 
 def open_run(path: str | os.PathLike[str]) -> Run:
     """Open a run directory (or its ``gradwatch.sqlite``) for reading.
+
+    A run that a watcher of this same process is still writing is flushed first, so that every
+    step recorded so far is read; ``run.live`` then tells that it is still being written.
 
     Raises:
         RunError: the path does not exist, is not a gradwatch run, or its store is corrupted.
@@ -93,10 +100,17 @@ class Run:
                 f"{SCHEMA_VERSION} which gradwatch {__version__} reads; upgrade gradwatch to read it"
             )
         self.meta: dict[str, Any] = {k: json.loads(v) for k, v in rows}
+        # a run written by this process: flush its writer so that every step recorded so far is read
+        # (no registry imported means no watcher in this process, and readers need not import torch)
+        registry = sys.modules.get("gradwatch.registry")
+        if registry is not None and self.meta.get("status") == "running":
+            registry.flush_run(self.path)
 
     # ----------------------------------------------------------------- metadata
     def __repr__(self) -> str:
-        return f"Run({str(self.path)!r}, steps={self.steps}, status={self.status!r})"
+        status = self.status
+        live = ", live: still being written" if status == "running" else ""
+        return f"Run({str(self.path)!r}, steps={self.steps}, status={status!r}{live})"
 
     def __enter__(self) -> Run:
         return self
@@ -122,6 +136,17 @@ class Run:
         if status == "running" and not _alive(self.meta.get("pid"), self.meta.get("host")):
             return "crashed"
         return str(status)
+
+    @property
+    def live(self) -> bool:
+        """Whether a training process is still writing the run (its status is ``running``).
+
+        A live run is read as far as it has been written: the writer commits every
+        ``flush_seconds`` (and at once for a watcher of this process when the run is opened), so
+        ``steps`` and the frames grow on later reads. Close the watcher (``gw.watcher(model).close()``)
+        or let training end to read the finished run.
+        """
+        return self.status == "running"
 
     @property
     def verdict(self) -> dict[str, Any] | None:
@@ -280,8 +305,15 @@ class Run:
         return frame
 
     def scalars(self, names: Iterable[str] | None = None) -> pd.DataFrame:
-        """Global per-step numbers (``grad_norm``, ``loss``, ``lr``, observed values), wide by step."""
-        long = self._scalar_rows(list(names) if names is not None else None, None)
+        """Global per-step numbers (``grad_norm``, ``loss``, ``lr``, observed values), wide by step.
+
+        Raises:
+            ValueError: a name that is neither one of gradwatch's scalars nor stored in the run.
+        """
+        wanted = [names] if isinstance(names, str) else (list(names) if names is not None else None)
+        if wanted is not None:
+            self._check_metrics(wanted, ())
+        long = self._scalar_rows(wanted, None)
         wide = long.pivot(index="step", columns="metric", values="value")
         wide.columns.name = None
         wide.index = wide.index.astype("int64")
@@ -292,7 +324,11 @@ class Run:
 
         The fast path for long runs (no DataFrame); a stored NaN or NULL is NaN. ``steps`` is a
         ``slice(start, stop)`` of steps.
+
+        Raises:
+            ValueError: a name that is neither one of gradwatch's scalars nor stored in the run.
         """
+        self._check_metrics([name], ())
         where, args = _where("name", [name], steps)
         rows = self._query(f"SELECT step, value FROM scalars WHERE {where} ORDER BY step", args)
         if not rows:
@@ -393,11 +429,28 @@ class Run:
 
         Returns:
             DataFrame with columns ``step``, ``layer``, ``metric``, ``value``.
+
+        Raises:
+            ValueError: a metric that is neither one of gradwatch's nor stored in the run, or a
+                layer (a parameter, with ``per_parameter``) that the run does not have; the
+                message lists the valid names.
         """
         wanted_metrics = [metrics] if isinstance(metrics, str) else (list(metrics) if metrics else None)
         wanted_layers = {layers} if isinstance(layers, str) else (set(layers) if layers else None)
+        scopes = (LAYER, PARAM) if per_parameter else (LAYER,)
+        if wanted_metrics is not None:
+            self._check_metrics(wanted_metrics, scopes, scalars=include_global)
+        if wanted_layers is not None:
+            valid = [n for scope in scopes for n in _names.stored_entries(self._query, scope)]
+            if not per_parameter and (wanted_layers - set(valid)):
+                params = set(_names.stored_entries(self._query, PARAM)) & (wanted_layers - set(valid))
+                if params:
+                    raise ValueError(f"{min(params)!r} is a parameter, not a layer: pass per_parameter=True "
+                                     "to read per-parameter rows")
+            where = "run.layers and run.parameters" if per_parameter else "run.layers"
+            _names.check("layer", sorted(wanted_layers, key=str), valid, where)
         frames = []
-        for scope in (LAYER, PARAM) if per_parameter else (LAYER,):
+        for scope in scopes:
             for block in self._blocks(scope, wanted_metrics, steps, wanted_layers):
                 rows, cols = np.nonzero(block.present)
                 frames.append(pd.DataFrame({
@@ -424,7 +477,18 @@ class Run:
 
         Columns follow the latest layout; layers that did not exist yet are NaN. ``steps``
         (a ``slice(start, stop)``) reads a range, so long runs can be read a chunk at a time.
+
+        Raises:
+            ValueError: an unknown ``scope`` (``layer`` or ``param``), a global scalar (read
+                those with :meth:`scalars` or :meth:`series`), or a metric that is neither one of
+                gradwatch's nor stored in the run; the message lists the valid ones.
         """
+        _names.scope_of(scope)
+        if metric not in _names.KNOWN_VECTORS and metric not in _names.stored_metrics(self._query, scope):
+            if metric in (*_names.KNOWN_SCALARS, *_names.stored_metrics(self._query, "global")):
+                raise ValueError(f"{metric!r} is a global scalar, not a per-{scope} metric: read it with "
+                                 f"run.scalars() or run.series({metric!r})")
+            self._check_metrics([metric], (scope,), scalars=False)
         names = self._entries(self._latest_layout(), scope)
         position = {n: i for i, n in enumerate(names)}
         parts = []
@@ -438,12 +502,34 @@ class Run:
             return pd.DataFrame(columns=names, index=pd.Index([], name="step", dtype="int64"), dtype=np.float32)
         return pd.concat(parts).sort_index()
 
+    def _check_metrics(self, wanted: list[str], scopes: Iterable[str], *, scalars: bool = True) -> None:
+        """Raise ValueError for a metric name that is neither gradwatch's own nor stored in the run.
+
+        Names gradwatch measures are accepted without touching the store (a run that lacks one
+        gives an empty result); only other names are looked up.
+        """
+        scopes = tuple(scopes)
+        known = {*(_names.KNOWN_VECTORS if scopes else ()), *(_names.KNOWN_SCALARS if scalars else ())}
+        if all(m in known for m in wanted):
+            return
+        stored = {m for scope in scopes for m in _names.stored_metrics(self._query, scope)}
+        if scalars:
+            stored |= set(_names.stored_metrics(self._query, "global"))
+        _names.check("metric", wanted, sorted(known | stored), "see the metrics of run.metrics()")
+
     # ----------------------------------------------------------------- findings
     def findings(self) -> pd.DataFrame:
-        """Findings in step order: step, kind, severity, layer, phase, message, action, data."""
+        """Findings in step order: step, kind, severity, layer, phase, message, action, data.
+
+        ``layer`` is None for a global finding (the loss, the global gradient norm), ``phase`` is
+        None for every kind but ``nonfinite``, and ``action`` is None where no action was
+        recorded: missing values are always None (an ``object`` column), never NaN.
+        """
         rows = self._query(f"SELECT {', '.join(FINDING_COLUMNS)} FROM findings ORDER BY step, id")
         frame = pd.DataFrame(rows, columns=FINDING_COLUMNS)
-        frame["data"] = [json.loads(d) if d else {} for d in frame["data"]]
+        for column in _NULLABLE:
+            frame[column] = pd.Series([r[FINDING_COLUMNS.index(column)] for r in rows], dtype=object)
+        frame["data"] = pd.Series([json.loads(d) if d else {} for d in frame["data"]], dtype=object)
         frame["step"] = frame["step"].astype("int64")
         return frame
 

@@ -14,6 +14,7 @@ from typing import Any
 from gradwatch.errors import RunError
 from gradwatch.findings import Finding
 from gradwatch.records import LAYER, PARAM, Layout, StepRecord, present
+from gradwatch.store.reuse import claim
 from gradwatch.store.schema import DB_NAME, DDL, SCHEMA_VERSION, pack
 
 
@@ -39,16 +40,7 @@ def create_store(run_dir: Path, meta: Mapping[str, Any], *, overwrite: bool) -> 
             "pass run= a directory you can write to"
         ) from None
     db = run_dir / DB_NAME
-    if db.exists():
-        if not overwrite:
-            raise RunError(
-                f"run directory {str(run_dir)!r} already holds a run; pass a new run= path, "
-                "or overwrite=True to replace it"
-            )
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{db}{suffix}").unlink(missing_ok=True)
-        for old in run_dir.glob("events.out.tfevents.*"):
-            old.unlink()
+    claim(run_dir, overwrite=overwrite)  # a run already there: replaced, or a RunError saying why not
     try:
         conn = _connect(db)
         with conn:
