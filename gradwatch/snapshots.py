@@ -86,6 +86,8 @@ class Snapshots:
         self.keep = max(1, keep)
         self.directory = directory
         self.items: list[Snapshot] = []
+        if directory is not None:
+            remove_leftovers(directory)
 
     @torch.no_grad()
     def take(self, step: int, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -113,13 +115,17 @@ class Snapshots:
         assert self.directory is not None
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"snapshot-{step:09d}.pt"
-        tmp = final.with_suffix(".pt.tmp")
-        with tmp.open("wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        digest = _sha256(tmp)
-        os.replace(tmp, final)
+        tmp = final.with_suffix(TMP_SUFFIX)
+        try:
+            with tmp.open("wb") as fh:
+                torch.save(state, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            digest = _sha256(tmp)
+            os.replace(tmp, final)
+        except BaseException:  # a full disk, a kill signal turned into an exception: no half-written file stays
+            tmp.unlink(missing_ok=True)
+            raise
         return final, digest
 
     def load(self, snap: Snapshot) -> dict[str, Any]:
@@ -139,6 +145,23 @@ class Snapshots:
     def nbytes(self) -> int:
         """Bytes held by the snapshots (in memory or on disk)."""
         return sum(s.nbytes for s in self.items)
+
+
+#: a snapshot being written; renamed to ``snapshot-<step>.pt`` once complete
+TMP_SUFFIX = ".pt.tmp"
+
+
+def remove_leftovers(directory: Path) -> None:
+    """Remove the temporary snapshot files an earlier run left in ``directory`` (killed, or out of disk)."""
+    try:
+        leftovers = list(directory.glob(f"snapshot-*{TMP_SUFFIX}"))
+    except OSError:  # not a folder (yet): nothing to clean
+        return
+    for path in leftovers:
+        try:
+            path.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove: writing will say what is wrong
+            pass
 
 
 def _sha256(path: Path) -> str:
