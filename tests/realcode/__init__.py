@@ -1,0 +1,62 @@
+"""The real-code zoo: small training scripts written the way widely copied public ones are.
+
+Each module is one self-contained script in the style of a well-known public training program
+(a nanoGPT-style GPT trainer, the classic word-language-model LSTM with hand-written SGD, a
+Hugging Face ``Trainer`` run, a ResNet with BatchNorm, a VAE with a summed loss, a REINFORCE
+policy-gradient loop), written for this repository on generated data. None imports another
+project's code. Every script exposes a ``Config`` dataclass and a ``train(cfg) -> Result``:
+
+* ``cfg.run`` is None for an unwatched run, or the run directory to watch it into (one
+  ``gw.watch`` line, plus ``observe(loss=...)`` where the script has a loss), so that a test can
+  compare losses watched and unwatched bit for bit;
+* the ``Config`` fields after ``# plants`` put in the failures of issue 15 the way they happen
+  in practice (a learning rate 100x too high, a parameter left out of the optimizer, a padding
+  mask that hides a whole attention row ...); every plant defaults to off (a healthy run).
+
+Scripts stay small enough that a run takes about a second on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gradwatch as gw
+
+Observe = Callable[..., None]
+
+
+@dataclass
+class Result:
+    """What one training run produced."""
+
+    losses: list[float]
+    run: Path | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def findings(self) -> list[dict[str, Any]]:
+        """The run's findings as plain dicts (NaN cells as None), in step order."""
+        assert self.run is not None, "an unwatched run has no findings"
+        with gw.open_run(self.run) as run:
+            frame = run.findings()
+        rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+                for row in frame.to_dict("records")]
+        return sorted(rows, key=lambda f: f["step"])
+
+
+def attach(model: Any, run: Path | None, **options: Any) -> Observe:
+    """Watch ``model`` into ``run`` (nothing when ``run`` is None); the watcher's ``observe``."""
+    if run is None:
+        return lambda **scalars: None
+    options.setdefault("console", False)
+    gw.watch(model, run=run, **options)
+    return gw.watcher(model).observe
+
+
+def detach(model: Any, run: Path | None) -> None:
+    """Stop watching ``model`` (when it was watched)."""
+    if run is not None:
+        gw.unwatch(model)
