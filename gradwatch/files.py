@@ -12,12 +12,15 @@ from gradwatch.errors import GradwatchError
 def write_text_atomic(path: Path, text: str, what: str = "the file") -> None:
     """Write ``text`` through a temporary file in the same folder, fsync it, then rename it into place.
 
+    Missing folders on the way to ``path`` are created.
+
     Raises:
         GradwatchError: the file cannot be written (``what`` names it in the message); no
             temporary file is left behind.
     """
     folder = path.parent if str(path.parent) else Path(".")
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     except OSError as exc:
         raise GradwatchError(f"cannot write {what} to {str(path)!r}: {exc.strerror or exc}") from None

@@ -106,7 +106,7 @@ def test_broken_training_fails_the_smoke_test_and_the_gate(tmp_path: Path) -> No
 
     checked = _shell(gate, cwd=project)
     assert checked.returncode == 1, checked.stdout + checked.stderr
-    assert re.search(r"^::error file=runs/.+,title=gradwatch exploding.*step 3::", checked.stdout, re.MULTILINE)
+    assert re.search(r"^::error title=gradwatch exploding.*step 3 of runs/.+::", checked.stdout, re.MULTILINE)
 
 
 def test_workflow_installs_tests_gates_and_uploads() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import click
 
@@ -36,6 +37,24 @@ class _Group(click.Group):
             importlib.import_module(COMMANDS[cmd_name])
         return super().get_command(ctx, cmd_name)
 
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Run the command; in standalone mode every error is one ``gradwatch: error: ...`` line and exit 2.
+
+        Click's own usage errors (a bad option value, a missing argument, an unknown command) would
+        print a usage block and an ``Error:`` line; they become the same one line as gradwatch's.
+        """
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)
+        except click.ClickException as exc:
+            click.echo(one_line(exc), err=True)
+            sys.exit(USAGE_ERROR if isinstance(exc, click.UsageError) else exc.exit_code)
+        except click.Abort:  # Ctrl-C, or the end of input at a prompt
+            click.echo("gradwatch: aborted", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)
+
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
@@ -50,14 +69,22 @@ def cli() -> None:
     """Gradient observability and debugging for PyTorch."""
 
 
+def one_line(exc: click.ClickException) -> str:
+    """A click error (a bad option, a missing argument ...) as the one line gradwatch prints for every error."""
+    message = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, click.UsageError) and ctx is not None:
+        message = f"{message.rstrip('.')}; see '{ctx.command_path} --help'"
+    return f"gradwatch: error: {message}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point."""
+    """Console-script entry point: the command's exit status."""
     try:
         cli.main(args=argv, prog_name="gradwatch", standalone_mode=True)
     except SystemExit as exc:
-        return int(exc.code or 0)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
     return 0
-
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -63,6 +63,9 @@ def judge_run(path: str, fail_on: str, rules: Path | None) -> Checked:
     """Read one run and judge it; a run that cannot be read is returned with its ``error``."""
     start = time.perf_counter()
     checked = Checked(run=path, fail_on=fail_on)
+    if Path(path).is_dir() and not find_runs(Path(path)):
+        checked.error = f"{path!r} is not a gradwatch run and holds none: no {DB_NAME} in it or in its folders"
+        return checked
     try:
         with open_run(path) as run:
             checked.steps, checked.status = run.steps, run.status
@@ -71,6 +74,22 @@ def judge_run(path: str, fail_on: str, rules: Path | None) -> Checked:
         checked.error = str(exc)
     checked.seconds = time.perf_counter() - start
     return checked
+
+
+def expand(paths: tuple[str, ...]) -> list[str]:
+    """The runs to check: a run as given, a folder holding runs as every run under it (as ``ls`` finds them).
+
+    A path that is neither (missing, or a folder without runs) is kept, to be reported as unreadable.
+    """
+    out: list[str] = []
+    for path in paths:
+        p = Path(path)
+        if p.is_dir() and not (p / DB_NAME).exists():
+            found = find_runs(p)
+            out += [str(run) for run in found] if found else [path]
+        else:
+            out.append(path)
+    return list(dict.fromkeys(out))
 
 
 def _findings(run: Run, rules: Path | None) -> Any:
@@ -173,31 +192,34 @@ def _escape_property(text: str) -> str:
 
 
 def render_github(results: list[Checked]) -> str:
-    """GitHub Actions workflow commands: an annotation per finding (error at/above the threshold)."""
+    """GitHub Actions workflow commands: an annotation per finding (error at/above the threshold).
+
+    The annotations name no ``file``: a finding is about the training, not about a line of the
+    repository (the run store is no source file to annotate); GitHub lists them on the workflow
+    run's summary and the pull request's checks, each titled with the kind, layer, step and run.
+    """
     lines = []
     for res in results:
-        where = str(Path(res.run) / DB_NAME)
         if res.error is not None:
-            lines.append(f"::error file={_escape_property(where)},title={_escape_property('gradwatch: run unreadable')}"
+            lines.append(f"::error title={_escape_property(f'gradwatch: {res.run} cannot be read')}"
                          f"::{_escape_data(res.error)}")
             continue
         for f in res.findings:
             if f.severity == "info":
                 continue
             level = "error" if rank(f.severity) >= rank(res.fail_on) else "warning"
-            title = f"gradwatch {f.kind} at {f.where()}, step {f.step}"
+            title = f"gradwatch {f.kind} at {f.where()}, step {f.step} of {res.run}"
             body = f"{res.run}: {f.message}" + (f" [action: {f.action}]" if f.action else "")
             body += f"\nTry: {f.hint}." if f.hint else ""
-            lines.append(f"::{level} file={_escape_property(where)},title={_escape_property(title)}"
-                         f"::{_escape_data(body)}")
-        verdict = "FAIL" if res.failing else "PASS"
-        lines.append(f"{verdict}: {res.run}: {len(res.failing)} finding(s) at or above {res.fail_on}")
+            lines.append(f"::{level} title={_escape_property(title)}::{_escape_data(body)}")
+        verdict, n = "FAIL" if res.failing else "PASS", len(res.failing)
+        lines.append(f"{verdict}: {res.run}: {n} finding{'s' * (n != 1)} at or above {res.fail_on}")
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------- commands
 @cli.command()
-@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=str))  # runs, or folders of runs
 @click.option("--fail-on", type=click.Choice(gate.FAIL_ON), default="error", show_default=True,
               help="Fail when a finding has at least this severity.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
@@ -207,12 +229,15 @@ def render_github(results: list[Checked]) -> str:
 @click.option("--rules", type=click.Path(dir_okay=False, path_type=Path),
               help="Re-judge the recorded runs with this rules file's detector settings (no retraining).")
 def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, rules: Path | None) -> None:
-    """Judge recorded runs: exit 0 when none has a finding at or above --fail-on, else 1 (2: unreadable)."""
+    """Judge recorded runs (a folder: every run under it).
+
+    Exit 0 when none has a finding at or above --fail-on, else 1 (2: a run that cannot be read).
+    """
     if rules is not None:
         from gradwatch.rejudge import validate
 
         validate(rules)  # a bad rules file is a usage error before any run is read
-    results = [judge_run(path, fail_on, rules) for path in runs]
+    results = [judge_run(path, fail_on, rules) for path in expand(runs)]
     if fmt == "text":
         if output is None:
             render_text(results, sys.stdout)
