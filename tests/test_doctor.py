@@ -121,7 +121,7 @@ def test_frozen_parameters_warn_and_no_trainable_parameters_fail() -> None:
     model = targets.mlp()
     model[0].requires_grad_(False)
     path = by_name(diagnose(model, batch(), ce, skip=NO_OVERFIT))["gradient_path"]
-    assert path.status == "warn" and "0.weight, 0.bias" in path.evidence and "frozen by mistake?" in path.evidence
+    assert path.status == "warn" and "'0.weight', '0.bias'" in path.evidence and "frozen by mistake?" in path.evidence
     model.requires_grad_(False)
     results = by_name(diagnose(model, batch(), ce))
     assert results["gradient_path"].status == "fail" and "no trainable parameters" in results["gradient_path"].evidence
@@ -153,7 +153,7 @@ def test_submodule_left_in_eval_mode_warns_naming_it() -> None:
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 4))
     model[2].eval()
     mode = by_name(diagnose(model, batch(), ce, skip=NO_OVERFIT))["train_mode"]
-    assert mode.status == "warn" and "2 (Dropout)" in mode.evidence
+    assert mode.status == "warn" and "1 submodule is in eval mode: '2' (Dropout)" in mode.evidence
     assert mode.data["eval"] == ["2"]
 
 
@@ -173,7 +173,7 @@ def test_deep_sigmoid_stack_vanishes_in_its_early_layers() -> None:
     assert len(vanishing) >= 12, "most of the stack, not only the layers far below the (tiny) median"
     assert "42" not in vanishing and flow.data["shrinking"], "the output layer is where the gradient is"
     assert not flow.data["exploding"]
-    assert flow.evidence.startswith("vanishing:") and "of the first 0 (Linear)" in flow.evidence
+    assert flow.evidence.startswith("vanishing:") and "of the first '0' (Linear)" in flow.evidence
     assert "residual" in flow.suggestion and "Kaiming" in flow.suggestion and "ReLU" in flow.suggestion
     norms = flow.data["norms"]
     assert norms["0"] < 1e-10 < norms["42"]
@@ -215,7 +215,7 @@ def test_nan_at_initialisation_fails_gradient_flow_and_names_the_module() -> Non
     results = by_name(diagnose(model, batch(), ce))
     assert results["gradient_flow"].status == "fail" and "non-finite" in results["gradient_flow"].evidence
     acts = results["activations"]
-    assert acts.status == "fail" and "from 1 (LogHead), whose inputs were finite" in acts.evidence
+    assert acts.status == "fail" and "from '1' (LogHead), whose inputs were finite" in acts.evidence
     assert results["overfit_batch"].status == "fail" and "at step 0" in results["overfit_batch"].evidence
 
 
@@ -226,7 +226,7 @@ def test_huge_negative_bias_before_relu_gives_dead_units() -> None:
         model[2].bias.fill_(-100.0)
     acts = by_name(diagnose(model, batch(), ce, skip=NO_OVERFIT))["activations"]
     assert acts.status == "warn"
-    assert "3 (ReLU) 100% of 128" in acts.evidence and "1 (ReLU)" not in acts.evidence
+    assert "in 1 layer: '3' (ReLU) 100% of 128" in acts.evidence and "'1' (ReLU)" not in acts.evidence
     assert acts.data["dead_fraction"]["3"] == 1.0 and acts.data["dead_fraction"]["1"] < 0.5
     assert "bias" in acts.suggestion and "LeakyReLU" in acts.suggestion
 
@@ -236,7 +236,7 @@ def test_oversized_weights_saturate_tanh() -> None:
     with torch.no_grad():
         model[0].weight.mul_(50.0)
     acts = by_name(diagnose(model, batch(), ce, skip=NO_OVERFIT))["activations"]
-    assert acts.status == "warn" and "saturated outputs" in acts.evidence and "1 (Tanh)" in acts.evidence
+    assert acts.status == "warn" and "saturated outputs" in acts.evidence and "'1' (Tanh)" in acts.evidence
     assert acts.data["saturated_fraction"]["1"] > 0.5 and "Xavier" in acts.suggestion
 
 
@@ -277,7 +277,7 @@ def test_frozen_zeroed_output_layer_cannot_fit_one_batch() -> None:
     model[4].requires_grad_(False)
     results = by_name(diagnose(model, batch(), ce))
     assert results["overfit_batch"].status == "fail"
-    assert results["gradient_path"].status == "warn" and "4.weight, 4.bias" in results["gradient_path"].evidence
+    assert results["gradient_path"].status == "warn" and "'4.weight', '4.bias'" in results["gradient_path"].evidence
     assert results["gradient_flow"].status == "fail" and "no learning signal" in results["gradient_flow"].evidence
     assert exit_code(list(results.values())) == 1
 

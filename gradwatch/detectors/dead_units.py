@@ -9,6 +9,8 @@ import numpy as np
 from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord, present
+from gradwatch.wording import layer as _layer
+from gradwatch.wording import plural
 
 HINT = (
     "a large negative bias or a too-high learning rate killed the units: re-initialise the bias, "
@@ -55,5 +57,5 @@ class DeadUnits(Detector):
 
     def describe(self, name: str, type_: str, value: float) -> str:
         """The finding's message."""
-        return (f"{value:.1%} of the outputs of {name} ({type_}) are exactly zero on {self.patience} sampled "
-                "steps in a row: its units are dead.")
+        return (f"{value:.1%} of the outputs of {_layer(name, type_)} are exactly zero on "
+                f"{plural(self.patience, 'sampled step')} in a row: its units are dead.")

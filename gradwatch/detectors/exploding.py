@@ -11,6 +11,7 @@ from gradwatch.detectors.base import Detector
 from gradwatch.detectors.baseline import Window
 from gradwatch.findings import Finding
 from gradwatch.records import PRECLIP, StepRecord
+from gradwatch.wording import layer as _layer
 
 HINT = (
     "clip gradients (gw.Rule(when='exploding', do='clip')), lower the learning rate or add warmup, "
@@ -113,13 +114,13 @@ class Exploding(Detector):
         layer = layout.layers[top] if top is not None else None
         if bad:
             times = f", {total / typical:.3g}x its typical {typical:.3g}" if math.isfinite(typical) else ""
-            where = f"; largest jump in {layer} ({layout.layer_types[top]})" if top is not None else ""
+            where = f"; largest jump in {_layer(layer, layout.layer_types[top])}" if top is not None else ""
             what = "global gradient norm before clipping" if PRECLIP in record.scalars else "global gradient norm"
             message = f"{what} {total:.3g} at step {record.step}{times}{where}."
             value = total
         else:
             assert top is not None
-            message = (f"gradient norm of {layer} ({layout.layer_types[top]}) is {norms[top]:.3g} at step "
+            message = (f"gradient norm of {_layer(layer, layout.layer_types[top])} is {norms[top]:.3g} at step "
                        f"{record.step}, {math.exp(l_excess[top]):.3g}x its typical {math.exp(center[top]):.3g}.")
             value = float(norms[top])
         data = {"grad_norm": total, "typical": typical, "limit": self.limit if over else None,

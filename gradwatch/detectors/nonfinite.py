@@ -11,6 +11,8 @@ import numpy as np
 from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
 from gradwatch.records import PARAM, StepRecord, present
+from gradwatch.wording import layer as _layer
+from gradwatch.wording import plural
 
 HINT = (
     "guard the op that produced it (log/sqrt/division need a positive argument: add an epsilon or clamp), "
@@ -54,9 +56,11 @@ class NonFinite(Detector):
         if bad_loss:
             what.append(f"the loss is {loss}")
         if bad_grads:
-            what.append(f"{bad_grads:,} gradient elements in {len(bad_layers)} layers are NaN/Inf")
+            verb = "is" if bad_grads == 1 else "are"
+            what.append(f"{plural(bad_grads, 'gradient element')} in {plural(len(bad_layers), 'layer')} {verb} NaN/Inf")
         if bad_act.any():
-            what.append(f"{int(bad_act.sum())} layers' activations are NaN/Inf")
+            n = int(bad_act.sum())
+            what.append("1 layer's activations are NaN/Inf" if n == 1 else f"{n:,} layers' activations are NaN/Inf")
         message = f"{_where(origin)} at step {record.step}: {', '.join(what)}."
         data: dict[str, Any] = {
             "origin": origin.get("how", "attributed"),
@@ -89,8 +93,7 @@ def _where(origin: dict[str, Any]) -> str:
     phase, layer = origin.get("phase"), origin.get("layer")
     if layer is not None:
         guess = "" if origin.get("how") == "replayed" else " (approximately: the step could not be replayed)"
-        kind = f" ({origin['type']})" if origin.get("type") else ""
-        return f"NaN/Inf first appeared in the {phase} pass of {layer}{kind}{guess}"
+        return f"NaN/Inf first appeared in the {phase} pass of {_layer(layer, origin.get('type'))}{guess}"
     source = origin.get("source")
     if source == "input":
         return "The model's input batch holds NaN/Inf"

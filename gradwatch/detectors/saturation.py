@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradwatch.detectors.dead_units import DeadUnits
+from gradwatch.wording import layer as _layer
+from gradwatch.wording import plural
 
 HINT = (
     "inputs to the activation are too large: use a smaller initialisation, normalise before the "
@@ -31,5 +33,5 @@ class Saturation(DeadUnits):
 
     def describe(self, name: str, type_: str, value: float) -> str:
         """The finding's message."""
-        return (f"{value:.1%} of the outputs of {name} ({type_}) are saturated at its bounds on {self.patience} "
-                "sampled steps in a row: its gradients vanish.")
+        return (f"{value:.1%} of the outputs of {_layer(name, type_)} are saturated at its bounds on "
+                f"{plural(self.patience, 'sampled step')} in a row: its gradients vanish.")

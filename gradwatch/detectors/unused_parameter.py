@@ -9,6 +9,8 @@ import numpy as np
 from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
 from gradwatch.records import PARAM, StepRecord
+from gradwatch.wording import layer as _layer
+from gradwatch.wording import plural
 
 HINT = (
     "the parameter is not on the path to the loss: a submodule forward never calls, a .detach() "
@@ -51,8 +53,9 @@ class UnusedParameter(Detector):
         out = []
         for layer, params in by_layer.items():
             numel = sum(layout.param_numel[layout.params.index(n)] for n in params)
-            message = (f"{', '.join(params)} ({numel:,} elements) require grad but received no gradient "
-                       f"in {self.patience} steps.")
+            verb = "requires" if len(params) == 1 else "require"
+            message = (f"{', '.join(_layer(p) for p in params)} ({plural(numel, 'element')}) {verb} grad but received "
+                       f"no gradient in {plural(self.patience, 'step')}.")
             out.append(self.finding(record, "warning", layer, message, value=float(len(params)),
                                     data={"parameters": params, "hint": HINT}))
         return out

@@ -9,6 +9,7 @@ import numpy as np
 from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
+from gradwatch.wording import layer as _layer
 
 HINT_HIGH = "the step rewrites the weights wholesale: lower the learning rate (a healthy ratio is around 1e-3)"
 HINT_LOW = "the weights barely move: raise the learning rate, or check that the optimizer holds this layer"
@@ -55,10 +56,12 @@ class UpdateRatio(Detector):
             self._low[key] = self._low.get(key, 0) + 1 if low else 0
             name, type_ = layout.layers[i], layout.layer_types[i]
             if self._high[key] == self.patience:
-                message = f"update of {name} ({type_}) is {r:.3g}x its weights' norm at step {record.step}: too large."
+                message = (f"update of {_layer(name, type_)} is {r:.3g}x its weights' norm at step {record.step}: "
+                           "too large.")
                 out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_HIGH}))
             if self._low[key] == self.patience_low:
-                message = (f"update of {name} ({type_}) is only {r:.3g}x its weights' norm at step {record.step}: "
-                           "it does not learn.")
+                size = "exactly 0 (its weights did not change)" if r == 0 else f"only {r:.3g}x its weights' norm"
+                message = (f"update of {_layer(name, type_)} is {size} at step {record.step}, although it has a "
+                           "gradient: it does not learn.")
                 out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_LOW}))
         return out

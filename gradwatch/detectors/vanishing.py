@@ -9,6 +9,8 @@ import numpy as np
 from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
+from gradwatch.wording import layer as _layer
+from gradwatch.wording import plural
 
 HINT = (
     "use a non-saturating activation (ReLU/GELU) instead of sigmoid/tanh in deep stacks, a scaled "
@@ -61,7 +63,8 @@ class Vanishing(Detector):
         for i in np.flatnonzero(small & (self._runs == self.patience)):
             name, ratio = layout.layers[i], rms[i] / median if median > 0 else 0.0
             message = (
-                f"gradient of {name} ({layout.layer_types[i]}) has vanished for {self.patience} steps: RMS "
+                f"gradient of {_layer(name, layout.layer_types[i])} has vanished for "
+                f"{plural(self.patience, 'step')}: RMS "
                 f"{rms[i]:.3g}, {ratio:.2g}x the median layer's {median:.3g}."
             )
             out.append(self.finding(record, "warning", name, message, value=float(ratio),

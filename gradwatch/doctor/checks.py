@@ -13,6 +13,8 @@ from gradwatch.doctor.results import FAIL, HINTS, PASS, WARN, CheckResult, Docto
 from gradwatch.doctor.target import _names, compute_loss
 from gradwatch.layout import ROOT
 from gradwatch.origin import tensors
+from gradwatch.wording import layer as _layer
+from gradwatch.wording import plural
 
 
 # ------------------------------------------------------------------------------------------------ the checks
@@ -21,7 +23,8 @@ def check_gradient_path(ctx: _Context) -> CheckResult:
     probe = ctx.probe()
     name = "gradient_path"
     data: dict[str, Any] = {"trainable": probe.trainable, "frozen": probe.frozen}
-    frozen = f"{len(probe.frozen)} frozen (requires_grad=False): {_names(probe.frozen)}" if probe.frozen else ""
+    frozen_names = _names([_layer(n) for n in probe.frozen])
+    frozen = f"{len(probe.frozen)} frozen (requires_grad=False): {frozen_names}" if probe.frozen else ""
     if not probe.trainable:
         evidence = "the model has no trainable parameters" + (f"; {frozen}" if frozen else "")
         return CheckResult(name, FAIL, evidence, HINTS["no_params"], data)
@@ -31,7 +34,7 @@ def check_gradient_path(ctx: _Context) -> CheckResult:
         what = ("the loss does not depend on any trainable parameter (it has no grad_fn): "
                 if not probe.requires_grad else "")
         evidence = (f"{what}{len(missing)} of {len(probe.trainable)} trainable parameters got no gradient, "
-                    f"unused or detached: {_names(missing)}")
+                    f"unused or detached: {_names([_layer(n) for n in missing])}")
         return CheckResult(name, FAIL, evidence + (f"; {frozen}" if frozen else ""), HINTS["unused"], data)
     if probe.frozen:
         return CheckResult(name, WARN, f"{frozen}: frozen by mistake?", HINTS["frozen"], data)
@@ -49,8 +52,10 @@ def check_train_mode(ctx: _Context) -> CheckResult:
     modules = dict(model.named_modules())
     top = [n for n, m in modules.items() if n and not m.training and modules[n.rpartition(".")[0]].training]
     if top:
-        listed = [f"{n} ({type(modules[n]).__name__})" for n in top]
-        evidence = f"the model is in train mode but {len(top)} submodule(s) are in eval mode: {_names(listed)}"
+        listed = [_layer(n, type(modules[n]).__name__) for n in top]
+        verb = "is" if len(top) == 1 else "are"
+        evidence = (f"the model is in train mode but {plural(len(top), 'submodule')} {verb} in eval mode: "
+                    f"{_names(listed)}")
         return CheckResult(name, WARN, evidence, HINTS["mode"], {"eval": top})
     return CheckResult(name, PASS, f"the model and its {len(modules) - 1} submodules are in train mode", data={})
 
@@ -81,7 +86,8 @@ def check_gradient_flow(ctx: _Context) -> CheckResult:
     data: dict[str, Any] = {"loss": probe.loss, "norms": {layer: norm for layer, norm, _, _ in layers}}
     bad = [layer for layer, _, _, finite in layers if not finite]
     if bad or not math.isfinite(probe.loss):
-        evidence = f"loss {probe.loss:.4g}; non-finite gradients in {len(bad)} layer(s): {_names(bad)}"
+        evidence = (f"loss {probe.loss:.4g}; non-finite gradients in {plural(len(bad), 'layer')}: "
+                    f"{_names([_layer(n) for n in bad])}")
         return CheckResult(name, FAIL, evidence, HINTS["nonfinite_grad"], {**data, "nonfinite": bad})
     total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in probe.grads.values() if g is not None))
     data["global_norm"] = total
@@ -100,9 +106,10 @@ def check_gradient_flow(ctx: _Context) -> CheckResult:
 def _flow_summary(probe: Probe, layers: list[tuple[str, float, float, bool]], total: float) -> str:
     (first, first_norm, _, _), (last, last_norm, _, _) = layers[0], layers[-1]
     if len(layers) == 1:
-        return f"1 layer, {first} ({probe.types.get(first, '?')}) gradient norm {first_norm:.3g}"
-    return (f"{len(layers)} layers, gradient norm of the first {first} ({probe.types.get(first, '?')}) "
-            f"{first_norm:.3g}, of the last {last} ({probe.types.get(last, '?')}) {last_norm:.3g}, global {total:.3g}")
+        return f"1 layer, {_layer(first, probe.types.get(first, '?'))} gradient norm {first_norm:.3g}"
+    return (f"{len(layers)} layers, gradient norm of the first {_layer(first, probe.types.get(first, '?'))} "
+            f"{first_norm:.3g}, of the last {_layer(last, probe.types.get(last, '?'))} {last_norm:.3g}, "
+            f"global {total:.3g}")
 
 
 def _flow_findings(layers: list[tuple[str, float, float, bool]], total: float,
@@ -134,7 +141,8 @@ def _flow_sentences(findings: dict[str, Any], total: float, opts: DoctorOptions)
         if findings["shrinking"]:
             rule += (f" or, as the gradient shrinks {findings['spread']:.3g}x towards the input, "
                      f"< 1/{opts.spread_ratio:g} of the largest ({findings['largest_rms']:.3g})")
-        out.append(f"vanishing: {len(names)} layer(s) with gradient {rule}: {_names(names)}")
+        out.append(f"vanishing: {plural(len(names), 'layer')} with gradient {rule}: "
+                   f"{_names([_layer(n) for n in names])}")
     if findings["exploding"]:
         if total > opts.exploding_norm:
             out.append(f"exploding: global gradient norm {total:.3g} > {opts.exploding_norm:g}")
@@ -164,11 +172,12 @@ def check_activations(ctx: _Context) -> CheckResult:
     if dead_bad or sat_bad:
         parts = []
         if dead_bad:
-            listed = [f"{n} ({acts[n].type}) {dead[n]:.0%} of {acts[n].units}" for n in dead_bad]
-            parts.append(f"dead units (zero for every sample) in {len(dead_bad)} layer(s): {_names(listed)}")
+            listed = [f"{_layer(n, acts[n].type)} {dead[n]:.0%} of {acts[n].units}" for n in dead_bad]
+            parts.append(f"dead units (zero for every sample) in {plural(len(dead_bad), 'layer')}: {_names(listed)}")
         if sat_bad:
-            listed = [f"{n} ({acts[n].type}) {saturated[n]:.0%}" for n in sat_bad]
-            parts.append(f"saturated outputs (within 1% of a bound) in {len(sat_bad)} layer(s): {_names(listed)}")
+            listed = [f"{_layer(n, acts[n].type)} {saturated[n]:.0%}" for n in sat_bad]
+            parts.append(f"saturated outputs (within 1% of a bound) in {plural(len(sat_bad), 'layer')}: "
+                         f"{_names(listed)}")
         hints = ([HINTS["dead"]] if dead_bad else []) + ([HINTS["saturated"]] if sat_bad else [])
         return CheckResult(name, WARN, "; ".join(parts), "; ".join(hints), data)
     return CheckResult(name, PASS, _activation_summary(acts, dead, saturated), data=data)
@@ -179,13 +188,13 @@ def _nonfinite_activation(probe: Probe) -> CheckResult:
         evidence = f"every module's output is finite but the loss is {probe.loss}: the loss computation makes it"
         return CheckResult("activations", FAIL, evidence, HINTS["nonfinite_grad"], {"first_nonfinite": None})
     first, inputs_finite = probe.first_nonfinite
-    evidence = f"the first non-finite output is from {first} ({probe.types.get(first, '?')})"
+    evidence = f"the first non-finite output is from {_layer(first, probe.types.get(first, '?'))}"
     if inputs_finite:
         evidence += ", whose inputs were finite: it is born there"
     else:
         parent = first.rpartition(".")[0] or ROOT
         evidence += (f", but its inputs were already non-finite: it is born in code between modules, e.g. in the "
-                     f"forward of {parent} ({probe.types.get(parent, '?')})")
+                     f"forward of {_layer(parent, probe.types.get(parent, '?'))}")
     return CheckResult("activations", FAIL, evidence, HINTS["nonfinite_act"], {"first_nonfinite": first})
 
 
@@ -193,10 +202,10 @@ def _activation_summary(acts: dict[str, _Activation], dead: dict[str, float], sa
     parts = [f"{len(acts)} leaf modules ran, every module's output finite"]
     if dead:
         worst = max(dead, key=lambda n: dead[n])
-        parts.append(f"most dead units {dead[worst]:.0%} in {worst} ({acts[worst].type})")
+        parts.append(f"most dead units {dead[worst]:.0%} in {_layer(worst, acts[worst].type)}")
     if saturated:
         worst = max(saturated, key=lambda n: saturated[n])
-        parts.append(f"most saturated {saturated[worst]:.0%} in {worst} ({acts[worst].type})")
+        parts.append(f"most saturated {saturated[worst]:.0%} in {_layer(worst, acts[worst].type)}")
     if not dead and not saturated:
         parts.append("no ReLU-family or saturating activation module (functional ones are not seen)")
     return "; ".join(parts)

@@ -1,0 +1,31 @@
+"""Wording: how counts and layer names read inside the sentences gradwatch writes (findings, doctor, CLI)."""
+
+from __future__ import annotations
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``n`` and the noun in the right number: ``1 layer``, ``2 layers``, ``1,024 elements``.
+
+    Args:
+        n: how many.
+        noun: the singular.
+        nouns: the plural when it is not ``noun + "s"``.
+    """
+    return f"{n:,} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def layer(name: str | None, type_: str | None = None) -> str:
+    """A layer (or parameter) as it reads in a sentence: its module path, with its type if given.
+
+    A path that starts with an index, as ``nn.Sequential`` names its children (``0``,
+    ``3.weight``), is quoted so that it does not read as a number: ``'0' (Linear)``, but
+    ``encoder.layers.3.linear1 (Linear)``. None (a global finding) reads ``the model``.
+    """
+    if name is None:
+        text = "the model"
+    elif name.split(".", 1)[0].isdigit():
+        text = f"'{name}'"
+    else:
+        text = name
+    return f"{text} ({type_})" if type_ else text
+

@@ -1,0 +1,77 @@
+"""Sentences gradwatch writes read right: counts agree with their nouns, nn.Sequential's numeric layer
+names are quoted, and an update that is exactly 0 says so (gradwatch.wording, used by the detectors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gradwatch as gw
+from gradwatch.wording import layer, plural
+
+
+@pytest.mark.parametrize(("n", "noun", "nouns", "expected"), [
+    (0, "layer", None, "0 layers"), (1, "layer", None, "1 layer"), (2, "layer", None, "2 layers"),
+    (17091, "gradient element", None, "17,091 gradient elements"), (1, "batch", "batches", "1 batch"),
+    (3, "batch", "batches", "3 batches"),
+])
+def test_plural(n: int, noun: str, nouns: str | None, expected: str) -> None:
+    assert plural(n, noun, nouns) == expected
+
+
+@pytest.mark.parametrize(("name", "type_", "expected"), [
+    ("0", "Linear", "'0' (Linear)"), ("3.weight", None, "'3.weight'"), ("encoder.layers.3.linear1", "Linear",
+                                                                         "encoder.layers.3.linear1 (Linear)"),
+    ("fc1", None, "fc1"), ("(root)", "Linear", "(root) (Linear)"), (None, None, "the model"),
+])
+def test_layer_names_in_sentences(name: str | None, type_: str | None, expected: str) -> None:
+    assert layer(name, type_) == expected
+
+
+def _train(model: nn.Module, run: Path, steps: int, lr: float, poison: int | None = None, **options: object) -> gw.Run:
+    gw.watch(model, run=run, console=False, rules=None, **options)  # type: ignore[arg-type]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        x = torch.randn(8, 4)
+        if step == poison:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    gw.unwatch(model)
+    return gw.open_run(run)
+
+
+def test_a_nan_in_one_layer_reads_in_the_singular(tmp_path: Path) -> None:
+    found = _train(nn.Sequential(nn.Linear(4, 1)), tmp_path / "run", steps=2, lr=0.01, poison=1).findings()
+    (message,) = found.loc[found["kind"] == "nonfinite", "message"]
+    assert message == "The model's input batch holds NaN/Inf at step 1: 5 gradient elements in 1 layer are NaN/Inf."
+
+
+def test_a_nan_born_in_a_sequential_child_names_it_quoted(tmp_path: Path) -> None:
+    class Log(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(x)  # log of a negative number: NaN born here
+
+    model = nn.Sequential(nn.Linear(4, 8), Log(), nn.Linear(8, 1))
+    found = _train(model, tmp_path / "run", steps=2, lr=0.01).findings()
+    (message,) = found.loc[found["kind"] == "nonfinite", "message"].head(1)
+    assert message.startswith("NaN/Inf first appeared in the forward pass of '1' (Log) at step 0"), message
+    assert "gradient elements in 2 layers are NaN/Inf" in message, message
+
+
+def test_an_update_of_exactly_zero_says_so(tmp_path: Path) -> None:
+    # a learning rate far below the weights' precision: float32 weights do not change at all
+    found = _train(nn.Sequential(nn.Linear(4, 1)), tmp_path / "run", steps=6, lr=1e-30, sample_every=1).findings()
+    (message,) = found.loc[found["kind"] == "update_ratio", "message"]
+    assert message.startswith("update of '0' (Linear) is exactly 0 (its weights did not change) at step "), message
+    assert "0x" not in message
+
+
+def test_a_tiny_update_gives_its_ratio(tmp_path: Path) -> None:
+    found = _train(nn.Sequential(nn.Linear(4, 1)), tmp_path / "run", steps=6, lr=1e-9, sample_every=1).findings()
+    (message,) = found.loc[found["kind"] == "update_ratio", "message"]
+    assert message.startswith("update of '0' (Linear) is only ") and "x its weights' norm at step " in message
