@@ -59,8 +59,8 @@ def find_pyproject(start: Path | None = None) -> Path | None:
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        # utf-8-sig: a byte order mark at the start (as some Windows editors write) is not TOML's business
+        return tomllib.loads(path.read_bytes().decode("utf-8-sig"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
     except UnicodeDecodeError as exc:

@@ -10,12 +10,20 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gradwatch.errors import ConfigError
 
 #: the smallest number of steps between two measurements of the costlier statistics
 DEFAULT_SAMPLE_PERIOD = 10
+#: the most steps the flight recorder keeps (each holds a step's per-layer statistics in memory)
+MAX_FLIGHT_RECORDER = 100_000
+#: the longest name of one file or folder, and the longest path, that file systems take (bytes)
+NAME_MAX, PATH_MAX = 255, 4096
+
+#: the longest ``flush_seconds`` accepted: an hour (longer waits overflow the thread timeouts)
+MAX_FLUSH_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,8 @@ class Options:
         tensorboard: write TensorBoard event files into the run directory.
         overwrite: replace a finished run already stored in the run directory.
         queue_size: records buffered between the training thread and the writer thread.
-        flush_seconds: longest time a record waits in the writer before it is committed.
+        flush_seconds: longest time a record waits in the writer before it is committed
+            (at most an hour).
         detectors: per-detector settings, ``{kind: {setting: value}}`` (``enabled=False``
             turns one off); see the README's detector table.
         cooldown: steps during which a repeat of the same finding (kind, layer, severity) is
@@ -108,10 +117,11 @@ class Options:
         for name in ("queue_size", "cooldown", "snapshot_every", "snapshot_keep"):
             _positive_int(name, getattr(self, name))
         recorder = self.flight_recorder
-        if isinstance(recorder, bool) or not isinstance(recorder, int) or recorder < 0:
-            raise ConfigError(f"option flight_recorder must be a non-negative integer, got {self.flight_recorder!r}")
-        if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, (str, os.PathLike)):
-            raise ConfigError(f"option snapshot_dir must be a directory path, got {self.snapshot_dir!r}")
+        if isinstance(recorder, bool) or not isinstance(recorder, int) or not 0 <= recorder <= MAX_FLIGHT_RECORDER:
+            raise ConfigError(f"option flight_recorder must be an integer from 0 to {MAX_FLIGHT_RECORDER} (steps kept "
+                              f"in memory), got {self.flight_recorder!r}")
+        if self.snapshot_dir is not None:
+            directory_path("option snapshot_dir", self.snapshot_dir)
         if self.detectors is not None:
             if not isinstance(self.detectors, Mapping):
                 raise ConfigError(
@@ -123,8 +133,9 @@ class Options:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if (not isinstance(self.flush_seconds, (int, float)) or isinstance(self.flush_seconds, bool)
-                or not 0 < self.flush_seconds < math.inf):
-            raise ConfigError(f"option flush_seconds must be a finite positive number, got {self.flush_seconds!r}")
+                or not 0 < self.flush_seconds <= MAX_FLUSH_SECONDS):
+            raise ConfigError(f"option flush_seconds must be a number of seconds in (0, {MAX_FLUSH_SECONDS:g}], "
+                              f"got {self.flush_seconds!r}")
         prometheus_settings(self.prometheus)
         for name in sink_settings(self.sinks):
             from gradwatch import plugins
@@ -239,6 +250,45 @@ def sink_settings(value: Any) -> dict[str, dict[str, Any]]:
         return {name: {} for name in value}
     raise ConfigError("option sinks must be a list of sink plugin names, or a mapping "
                       f"{{name: {{setting: value}}}}, got {value!r}")
+
+
+def run_path(run: Any) -> Path:
+    """The ``run=`` argument of ``gw.watch`` as a Path, checked (see :func:`directory_path`).
+
+    Raises:
+        ConfigError: not a path, empty, or a path no file system takes.
+    """
+    return directory_path("run", run)
+
+
+def directory_path(label: str, value: Any) -> Path:
+    """A directory path given by the user, checked before anything is created there.
+
+    Args:
+        label: how the message names it (``run``, ``option snapshot_dir``).
+        value: a ``str`` or ``os.PathLike``.
+
+    Raises:
+        ConfigError: not a path, empty (which would mean the working directory), holding a NUL
+            character, or with a name longer than :data:`NAME_MAX` bytes or a whole longer than
+            :data:`PATH_MAX` bytes.
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{label} must be a directory path (str or os.PathLike), got {value!r}")
+    text = os.fsdecode(os.fspath(value))
+    if not text:
+        raise ConfigError(f"{label} must be a non-empty directory path, got ''; "
+                          "pass '.' to mean the working directory")
+    if "\x00" in text:
+        raise ConfigError(f"{label} must not contain a NUL character, got {text[:60]!r}")
+    for name in Path(text).parts:
+        if len(os.fsencode(name)) > NAME_MAX:
+            raise ConfigError(f"{label}: the name {name[:16] + '...'!r} ({len(os.fsencode(name))} bytes) is longer "
+                              f"than {NAME_MAX} bytes, the most a file system takes; choose a shorter path")
+    if len(os.fsencode(text)) >= PATH_MAX:
+        raise ConfigError(f"{label}: the path {text[:40] + '...'!r} is longer than {PATH_MAX - 1} bytes, "
+                          "the most a file system takes; choose a shorter path")
+    return Path(text)
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -13,14 +13,14 @@ run when the settings name it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gradwatch import plugins
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.errors import ConfigError
 
-__all__ = ["REGISTRY", "Detector", "build", "check_type", "lookup", "plugin", "settings"]
+__all__ = ["REGISTRY", "Bound", "Detector", "build", "check_bounds", "check_type", "lookup", "plugin", "settings"]
 
 
 def _registry() -> dict[str, type[Detector]]:
@@ -101,12 +101,35 @@ def build(config: Mapping[str, Mapping[str, Any]] | None = None, *, where: str =
             raise ConfigError(f"{where}.{kind} must be a table of settings, got {params!r}")
         defaults = settings(kind)
         values = {name: check_type(f"{where}.{kind}", name, value, defaults) for name, value in params.items()}
+        check_bounds(f"{where}.{kind}", cls, {**defaults, **values}, set(values))
         try:
             out.append(cls(**values))
-        except Exception as exc:  # only a plugin's own __init__ / __post_init__ can fail here
-            raise ConfigError(f"{where}.{kind}: detector plugin {kind!r} failed to build: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # a plugin's own __init__ / __post_init__ (built-ins check their bounds first)
+            what = (f"detector plugin {kind!r} failed to build" if REGISTRY.get(kind) is not cls
+                    else f"detector {kind!r} cannot be built with these settings")
+            raise ConfigError(f"{where}.{kind}: {what}: {type(exc).__name__}: {exc}") from exc
     return out
+
+
+def check_bounds(where: str, cls: type[Detector], values: Mapping[str, Any], given: Iterable[str] = ()) -> None:
+    """Raise ConfigError for the first setting outside the range its detector declares (``bounds``).
+
+    ``values`` are every setting (defaults included); ``given`` names those the user set, so that a
+    range broken by a related setting the user changed names that one.
+    """
+    given = set(given)
+    for name, bound in cls.bounds.items():
+        value = values.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        problem = bound.problem(value, values)
+        if problem is None:
+            continue
+        moved = [r for r in bound.related if r in given]
+        if name not in given and moved:
+            raise ConfigError(f"{where}: setting {moved[0]!r} = {values[moved[0]]!r} leaves {name!r} = {value!r} "
+                              f"out of range: {name!r} must be {problem}; set both")
+        raise ConfigError(f"{where}: setting {name!r} must be {problem}, got {value!r}")
 
 
 def check_type(where: str, name: str, value: Any, defaults: Mapping[str, Any]) -> Any:

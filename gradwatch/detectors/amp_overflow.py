@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 
@@ -27,6 +27,7 @@ class AmpOverflow(Detector):
     """
 
     kind = "amp_overflow"
+    bounds = {"warn_after": Bound(1), "error_after": Bound("warn_after")}
     warn_after: int = 20
     error_after: int = 100
     _run: int = field(default=0, init=False, repr=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.baseline import Ema
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
@@ -34,6 +34,7 @@ class LossSpike(Detector):
     """
 
     kind = "loss_spike"
+    bounds = {"beta": Bound(0, 1, open_high=True), "warmup": Bound(1)}
     z: float = 6.0
     ratio: float = 1.0
     beta: float = 0.98
