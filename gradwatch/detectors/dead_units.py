@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord, present
 from gradwatch.wording import layer as _layer
@@ -29,6 +29,7 @@ class DeadUnits(Detector):
     """
 
     kind = "dead_units"
+    bounds = {"threshold": Bound(0, 1, open_low=True), "patience": Bound(1)}
     threshold: float = 0.99
     patience: int = 2
     _runs: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)

@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.baseline import Window
 from gradwatch.findings import Finding
 from gradwatch.records import PRECLIP, StepRecord
 from gradwatch.wording import layer as _layer
+
+#: the longest baseline window: it holds window x layers numbers
+MAX_WINDOW = 10_000
 
 HINT = (
     "clip gradients (gw.Rule(when='exploding', do='clip')), lower the learning rate or add warmup, "
@@ -43,6 +46,7 @@ class Exploding(Detector):
     """
 
     kind = "exploding"
+    bounds = {"ratio": Bound(1), "layer_ratio": Bound(1), "window": Bound(1, MAX_WINDOW), "warmup": Bound(1, "window")}
     z: float = 6.0
     ratio: float = 5.0
     layer_ratio: float = 10.0

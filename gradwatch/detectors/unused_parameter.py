@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
 from gradwatch.records import PARAM, StepRecord
 from gradwatch.wording import layer as _layer
@@ -29,6 +29,7 @@ class UnusedParameter(Detector):
     """
 
     kind = "unused_parameter"
+    bounds = {"patience": Bound(1)}
     patience: int = 3
     _seen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), init=False, repr=False)
     _steps: int = field(default=0, init=False, repr=False)

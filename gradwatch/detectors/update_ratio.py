@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 from gradwatch.wording import layer as _layer
@@ -29,6 +29,8 @@ class UpdateRatio(Detector):
 
     kind = "update_ratio"
     late = True
+    bounds = {"high": Bound(0, open_low=True), "low": Bound(0, "high", open_high=True), "patience": Bound(1),
+              "patience_low": Bound(1)}
     high: float = 1.0
     low: float = 1e-8
     patience: int = 2

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 from gradwatch.wording import layer as _layer
@@ -30,6 +30,7 @@ class Vanishing(Detector):
     """
 
     kind = "vanishing"
+    bounds = {"relative": Bound(0, 1), "patience": Bound(1)}
     absolute: float = 1e-10
     relative: float = 1e-4
     patience: int = 10
