@@ -57,6 +57,24 @@ def train(
     return opt
 
 
+#: an unmarked test slower than this is listed at the end of the run: mark it ``slow`` (or make it faster),
+#: so that ``python -m pytest -m "not slow"`` stays a run of under 2 minutes
+SLOW_SECONDS = 5.0
+_unmarked_slow: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.duration > SLOW_SECONDS and "slow" not in report.keywords:
+        _unmarked_slow.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    if _unmarked_slow:
+        terminalreporter.section(f"tests not marked slow that took more than {SLOW_SECONDS:g} s")
+        for nodeid, seconds in sorted(_unmarked_slow, key=lambda x: -x[1]):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}  (mark it @pytest.mark.slow)")
+
+
 CHROMIUM = "/usr/bin/chromium"
 
 

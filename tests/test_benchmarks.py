@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from gradwatch import lifecycle, probe
@@ -22,6 +23,7 @@ def load_overhead():  # type: ignore[no-untyped-def]
     return module
 
 
+@pytest.mark.slow  # runs the benchmark
 def test_attribution_times_every_part_and_puts_the_hooks_back(tmp_path: Path) -> None:
     overhead = load_overhead()
     before = {name: probe.Probe.__dict__[name] for name in ("_forward_pre", "_activation_hook")}

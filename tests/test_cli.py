@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gradwatch as gw
 
 
@@ -14,6 +16,7 @@ def gradwatch(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
                           env={"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "COLUMNS": "120"})
 
 
+@pytest.mark.slow  # trains the demo in a subprocess
 def test_demo_trains_writes_a_run_and_summarises_it(tmp_path: Path) -> None:
     result = gradwatch("demo", "--run", str(tmp_path / "demo"), "--steps", "40")
     assert result.returncode == 0, result.stderr
@@ -33,6 +36,7 @@ def test_demo_trains_writes_a_run_and_summarises_it(tmp_path: Path) -> None:
     assert not [p.name for p in report.parent.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.slow  # the full 300-step demo in a subprocess
 def test_demo_pathologies_are_found_and_rescued(tmp_path: Path) -> None:
     """The full demo: a NaN born in `features` at step 100 is skipped, the explosion at 180 clipped."""
     result = gradwatch("demo", "--run", str(tmp_path / "demo"))
@@ -52,6 +56,7 @@ def test_demo_pathologies_are_found_and_rescued(tmp_path: Path) -> None:
     assert 'data-kind="nonfinite" data-step="100"' in report and 'data-kind="exploding" data-step="180"' in report
 
 
+@pytest.mark.slow  # trains the demo in a subprocess
 def test_demo_default_run_directory(tmp_path: Path) -> None:
     result = gradwatch("demo", "--steps", "5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -69,6 +74,7 @@ def test_usage_error_exits_2_without_traceback() -> None:
     assert "Traceback" not in result.stderr and "--steps" in result.stderr
 
 
+@pytest.mark.slow  # starts the demo in a subprocess
 def test_unwritable_run_is_one_line_exit_2(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     result = gradwatch("demo", "--run", str(tmp_path / "file" / "run"), "--steps", "2")

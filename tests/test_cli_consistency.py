@@ -4,18 +4,42 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from torch import nn
 
 import gradwatch as gw
+from gradwatch.cli import cli
 
 
-def gradwatch(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def gradwatch(*args: str, cwd: Path | None = None) -> Result:
+    """The command, run in this process through the same entry (``cli.main``) as the console script."""
+    here = Path.cwd()
+    try:
+        os.chdir(cwd or here)
+        res = CliRunner().invoke(cli, list(args), env={"COLUMNS": "160"}, prog_name="gradwatch")
+    finally:
+        os.chdir(here)
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    return Result(res.exit_code, res.stdout, res.stderr)
+
+
+def installed(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """The installed console script, as a user runs it."""
     return subprocess.run(["gradwatch", *args], capture_output=True, text=True, cwd=cwd, timeout=300,
                           env={"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "COLUMNS": "160"})
@@ -100,6 +124,12 @@ def test_usage_errors_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, .
     assert result.stderr.count("\n") == 1, result.stderr  # one line: no usage block, no "Try ... --help"
     assert result.stderr.startswith(expected), result.stderr
     assert "Usage:" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_installed_console_script_reports_errors_the_same_way(tmp_path: Path) -> None:
+    result = installed("check", "x", "--format", "xml", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("gradwatch: error: Invalid value for '--format'")
 
 
 def test_python_dash_m_reports_errors_the_same_way(tmp_path: Path) -> None:

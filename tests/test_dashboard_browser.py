@@ -6,9 +6,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 import gradwatch as gw
 from gradwatch.dashboards.server import start
 from tests.test_report import BIG_STEP, NAN_STEP, XSS_LAYER, XSS_RUN, loop, make_model, train
+
+pytestmark = pytest.mark.slow  # a real browser
 
 SCREENSHOTS = Path("/tmp")
 

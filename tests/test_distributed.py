@@ -18,6 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradwatch as gw
 
+pytestmark = pytest.mark.slow  # two real processes on the gloo backend per test
+
 WORLD = 2
 STEPS = 12
 

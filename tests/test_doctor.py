@@ -530,6 +530,7 @@ def test_script_that_fails_at_import(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ command line
+@pytest.mark.slow  # the doctor in a subprocess
 def test_cli_healthy_script_exits_0_with_a_table() -> None:
     result = doctor(f"{TARGETS.relative_to(ROOT)}:healthy")
     assert result.returncode == 0, result.stderr
@@ -560,6 +561,7 @@ def test_cli_bad_target_exits_2_with_one_line(suffix: str, message: str) -> None
     assert result.stderr.count("\n") == 1 and message in result.stderr
 
 
+@pytest.mark.slow  # the doctor in subprocesses
 def test_cli_module_path_form_and_fail_on_warning(tmp_path: Path) -> None:
     (tmp_path / "frozen_models.py").write_text(
         "import torch\nfrom torch import nn\n\n"

@@ -10,6 +10,8 @@ import pytest
 
 import gradwatch as gw
 
+pytestmark = pytest.mark.slow  # each example runs as a script in its own process
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

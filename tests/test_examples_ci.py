@@ -21,6 +21,8 @@ import pytest
 
 import gradwatch as gw
 
+pytestmark = pytest.mark.slow  # the example project's own pytest session runs in a subprocess
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "ci"
 WORKFLOW = EXAMPLE / ".github" / "workflows" / "gradwatch.yml"

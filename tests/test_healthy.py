@@ -12,6 +12,8 @@ from torch import nn
 
 import gradwatch as gw
 
+pytestmark = pytest.mark.slow  # the model zoo trained for hundreds of steps
+
 STEPS = 150
 
 

@@ -14,6 +14,8 @@ from torch import nn
 
 import gradwatch as gw
 
+pytestmark = pytest.mark.slow  # real Lightning Trainer runs
+
 pl = pytest.importorskip("lightning.pytorch")
 from gradwatch.integrations.lightning import GradWatchCallback  # noqa: E402
 

@@ -689,6 +689,7 @@ def test_activations_on_the_sampled_step_after_a_skipped_step(run_dir: Path) -> 
 
 
 # ------------------------------------------------------------------------------- 11. torch.compile
+@pytest.mark.slow  # torch.compile compiles twice
 def test_torch_compile_both_ways(tmp_path: Path) -> None:
     def make() -> nn.Module:
         return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

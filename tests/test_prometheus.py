@@ -316,6 +316,7 @@ def test_missing_prometheus_client_names_the_extra(tmp_path: Path, monkeypatch: 
     monkeypatch.undo()
 
 
+@pytest.mark.slow  # a subprocess
 def test_watching_without_the_option_never_imports_prometheus_client(tmp_path: Path) -> None:
     code = (
         "import sys, torch, gradwatch as gw\n"

@@ -11,6 +11,8 @@ import gradwatch as gw
 from gradwatch.report import write
 from tests.test_report import BIG_STEP, NAN_STEP, XSS_RUN, store_findings, train
 
+pytestmark = pytest.mark.slow  # a real browser
+
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT = Path("/tmp/gradwatch-report.png")
 

@@ -112,6 +112,7 @@ KILLED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a training subprocess, killed
 def test_killed_training_process_leaves_a_readable_store(tmp_path: Path) -> None:
     run_dir = tmp_path / "killed"
     script = tmp_path / "train.py"

@@ -13,6 +13,8 @@ from torch import nn
 
 import gradwatch as gw
 
+pytestmark = pytest.mark.slow  # real Hugging Face Trainer runs
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from gradwatch.integrations.transformers import GradWatchCallback  # noqa: E402

@@ -200,6 +200,7 @@ EXIT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a training subprocess per case
 @pytest.mark.parametrize(("how", "status", "code"), [("end", "finished", 0), ("raise", "crashed", 1)])
 def test_runs_are_closed_at_interpreter_exit(tmp_path: Path, how: str, status: str, code: int) -> None:
     script = tmp_path / "train.py"
@@ -249,6 +250,7 @@ def test_a_model_dropped_while_watched_closes_its_run(run_dir: Path) -> None:
     assert run.status == "finished" and run.steps == 3
 
 
+@pytest.mark.slow  # hundreds of steps per case
 @pytest.mark.parametrize("rules", ["default", None, [gw.Rule(when="*", do="clip", max_norm=1e-3)]])
 def test_a_finished_steps_gradients_are_freed_by_zero_grad(run_dir: Path, rules: object) -> None:
     """Nothing in gradwatch keeps last step's gradients alive beside the next backward's."""

@@ -23,6 +23,8 @@ from .zoo import CASES, HEALTHY, PATHOLOGIES, Case, run
 
 BOUNDED = (nn.Sigmoid, nn.Tanh)  # saturating activations used in the zoo
 HEALTHY_IDS = [c.name for c in HEALTHY]
+#: cases whose monitored run takes several seconds (marked slow)
+SLOW_CASES = {"exploding_lr_jump", "nonfinite_poisoned_batch"}
 PATHOLOGY_IDS = [c.name for c in PATHOLOGIES]
 
 
@@ -260,6 +262,7 @@ def test_run_is_reproducible_and_uses_given_objects() -> None:
 # ----------------------------------------------------------------------------- healthy cases
 
 
+@pytest.mark.slow  # the healthy zoo, hundreds of steps per model
 @pytest.mark.parametrize("case", HEALTHY, ids=HEALTHY_IDS)
 def test_healthy_case_is_healthy(case: Case) -> None:
     tr, model = monitor(case, forward_checks=False)
@@ -322,7 +325,8 @@ def _first(flags: list[bool]) -> int | None:
 NONFINITE = [c for c in PATHOLOGIES if c.kind == "nonfinite"]
 
 
-@pytest.mark.parametrize("case", NONFINITE, ids=[c.name for c in NONFINITE])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.name in SLOW_CASES else c
+                                  for c in NONFINITE], ids=[c.name for c in NONFINITE])
 def test_nonfinite_case_is_born_where_it_says(case: Case) -> None:
     tr, _ = monitor(case, backward_hooks=case.phase == "backward")
     bad = [not (lf and gf) for lf, gf in zip(tr.loss_finite, tr.grads_finite)]
@@ -348,7 +352,8 @@ def test_nonfinite_case_is_born_where_it_says(case: Case) -> None:
 EXPLODING = [c for c in PATHOLOGIES if c.kind == "exploding"]
 
 
-@pytest.mark.parametrize("case", EXPLODING, ids=[c.name for c in EXPLODING])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.name in SLOW_CASES else c
+                                  for c in EXPLODING], ids=[c.name for c in EXPLODING])
 def test_exploding_case_explodes_at_onset(case: Case) -> None:
     tr, _ = monitor(case)
     g, k = tr.grad_norm, _onset(case)
@@ -402,6 +407,7 @@ def test_unused_parameter_case(case: Case) -> None:
     assert all(tr.loss_finite) and all(tr.grads_finite)
 
 
+@pytest.mark.slow  # hundreds of steps
 def test_loss_spike_case() -> None:
     (case,) = [c for c in PATHOLOGIES if c.kind == "loss_spike"]
     tr, _ = monitor(case)

@@ -20,6 +20,9 @@ from gradwatch.rejudge import rejudge
 
 from .zoo import HEALTHY, PATHOLOGIES, Case, run
 
+#: planted cases that train for many seconds (marked slow)
+SLOW_CASES = {"exploding_lr_jump"}
+
 # pathologies that unavoidably bring others along (see the zoo's docstring)
 COMPANIONS = {
     "exploding_lr_jump": {"loss_spike"},
@@ -63,6 +66,7 @@ def train(case: Case, path: Path) -> tuple[list[dict[str, Any]], list[float], se
     return records, losses, {name for name, _ in model.named_modules()}
 
 
+@pytest.mark.slow  # the healthy zoo, hundreds of steps per model
 @pytest.mark.parametrize("case", HEALTHY, ids=[c.name for c in HEALTHY])
 def test_healthy_zoo_is_quiet(case: Case, tmp_path: Path) -> None:
     found, losses, _ = train(case, tmp_path / "run")
@@ -72,7 +76,8 @@ def test_healthy_zoo_is_quiet(case: Case, tmp_path: Path) -> None:
     assert all(math.isfinite(x) for x in losses)
 
 
-@pytest.mark.parametrize("case", PATHOLOGIES, ids=[c.name for c in PATHOLOGIES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.name in SLOW_CASES else c
+                                  for c in PATHOLOGIES], ids=[c.name for c in PATHOLOGIES])
 def test_planted_pathology_is_found_at_its_layer_and_step(case: Case, tmp_path: Path) -> None:
     assert case.kind is not None and case.onset is not None
     found, losses, layers = train(case, tmp_path / "run")
