@@ -50,6 +50,10 @@ def test_demo_pathologies_are_found_and_rescued(tmp_path: Path) -> None:
     loss = run.scalars()["loss"]
     assert loss.iloc[-20:].mean() < 0.1 * loss.iloc[:20].mean()
     assert "findings" in result.stdout and "features" in result.stdout and "skip" in result.stdout
+    head = result.stdout.splitlines()[:4]  # said first, before the red error: the trouble is planted on purpose
+    assert head[1] == "Two batches are bad on purpose, to show what gradwatch finds and how its rules rescue training:"
+    assert head[2].startswith("  step 100: ") and head[3].startswith("  step 180: ")
+    assert "The findings at steps 100 and 180 come from the batches made bad on purpose" in result.stdout
     assert run.verdict["worst"] == "error" and run.verdict["status"] == "finished"
     report = (tmp_path / "demo" / "report.html").read_text(encoding="utf-8")
     assert 'id="verdict" data-state="errors"' in report

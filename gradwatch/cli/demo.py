@@ -21,14 +21,18 @@ from gradwatch.summary import Summary, summarize
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1), help="Optimizer steps to train.")
 def demo(run_dir: Path, steps: int) -> None:
     """Train a small built-in model with gradwatch attached, summarise its run and write its HTML report."""
-    from gradwatch.demo import run_demo
+    from gradwatch.demo import CORRUPTED_STEP, POISONED_STEP, run_demo
 
     console = Console()
+    console.print(intro(steps, POISONED_STEP, CORRUPTED_STEP), soft_wrap=True)
     with console.status(f"training the demo model for {steps} steps ..."):
         path = run_demo(run_dir, steps=steps, console=False)
     with open_run(path) as run:
-        render(console, path, summarize(run))
-        render_findings(console, run.findings())
+        summary = summarize(run)
+        render(console, path, summary)
+        findings = run.findings()
+        render_findings(console, findings)
+        console.print(outro(findings, summary, POISONED_STEP, CORRUPTED_STEP), soft_wrap=True)
     from gradwatch.report import write
 
     report = write(path)
@@ -37,6 +41,35 @@ def demo(run_dir: Path, steps: int) -> None:
                   soft_wrap=True)
     console.print(f"TensorBoard:  tensorboard --logdir {path.parent}")
     console.print(f"In Python:    gw.open_run({str(path)!r}).metrics()")
+
+
+def intro(steps: int, poisoned: int, corrupted: int) -> str:
+    """What the demo does, said before it starts: the two bad batches are planted on purpose."""
+    planted = [(poisoned, "one point sits exactly at the origin: the polar features divide 0 by 0 (a NaN); "
+                          "the default rules skip that step"),
+               (corrupted, "the points are 1000x too large: the gradient explodes; the default rules clip it")]
+    reached = [(step, what) for step, what in planted if step < steps]
+    lines = [f"gradwatch demo: a small Tanh MLP learns three interleaved spirals for {steps} steps, watched by "
+             "gradwatch with its default rules."]
+    if reached:
+        lines.append("Two batches are bad on purpose, to show what gradwatch finds and how its rules rescue training:"
+                     if len(reached) == 2 else "One batch is bad on purpose, to show what gradwatch finds:")
+        lines += [f"  step {step}: {what}" for step, what in reached]
+    else:
+        lines.append(f"(The batches made bad on purpose come at steps {poisoned} and {corrupted}: run with more "
+                     "--steps to see them found and rescued.)")
+    return "\n".join(lines) + "\n"
+
+
+def outro(findings: pd.DataFrame, summary: Summary, poisoned: int, corrupted: int) -> str:
+    """After the findings: which of them were planted, and whether training recovered."""
+    planted = sorted({int(s) for s in findings["step"]} & {poisoned, corrupted}) if len(findings) else []
+    if not planted:
+        return ""
+    steps = " and ".join(str(s) for s in planted)
+    return (f"The findings at step{'s' * (len(planted) > 1)} {steps} come from the batches made bad on purpose; "
+            f"the rules acted inside those steps and training went on (loss {_fmt(summary.loss_first)} -> "
+            f"{_fmt(summary.loss_last)}).")
 
 
 def render_findings(console: Console, findings: pd.DataFrame) -> None:
