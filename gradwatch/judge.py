@@ -27,7 +27,7 @@ from gradwatch.errors import PluginWarning, TrainingHalted
 from gradwatch.findings import SEVERITIES, Cooldown, Finding, rank
 from gradwatch.options import Options
 from gradwatch.records import StepRecord
-from gradwatch.rules import PRECEDENCE, decide
+from gradwatch.rules import PRECEDENCE, Decision, decide
 from gradwatch.store.writer import finding_json
 from gradwatch.writer import Writer
 
@@ -100,7 +100,8 @@ class Judge:
         self._deferred.extend(f for f in findings if self.rules)
 
     def step(self, record: StepRecord, findings: list[Finding], control: Control) -> str:
-        """Persist the step's findings, then run the actions the rules decide.
+        """Persist the step's findings, run the actions the rules decide, persist their outcomes,
+        then print the findings: a line on the console is always on disk first.
 
         Returns:
             the main action that ran (``warn`` when training was not touched).
@@ -113,11 +114,33 @@ class Judge:
             decision.actions = {"warn": [(f, None) for f in [*deferred, *findings]]}
         decision.label()
         record.logged = record.detail = True  # the step itself is kept at full resolution
-        self.record(findings)
+        fresh = self.record(findings, show=False)
         relabelled = [f for f in deferred if f.id is not None]  # written before their action was known
         if relabelled:
             self._writer.submit_findings(relabelled)
         self._writer.flush()  # a finding is on disk before its action runs
+        acted: list[Finding] = []
+        try:
+            self._plugins_act(decision, record.step, control, acted)
+            for action in ("clip", "scale_lr", "skip", "rollback", "halt"):
+                if decision.runs(action):
+                    finding, rule = decision.actions[action][0]
+                    outcome = actions.REGISTRY[action].apply(rule, finding, control)
+                    if action == "clip" and outcome.get("clipped") is False:
+                        self._unapplied(decision, "clip")  # nothing was clipped: no finding says "clip"
+                    if outcome and finding.id is not None:  # a folded repeat has no row of its own
+                        finding.data.setdefault("outcome", {}).update(outcome)
+                        acted.append(finding)
+        finally:  # also when an action halts training: its outcome is kept and the findings printed
+            if acted:
+                self._writer.submit_findings(acted)
+                self._writer.flush()  # the outcome (a rollback's restored step ...) is on disk too
+            for f in fresh:
+                self._print(f)
+        return decision.main
+
+    def _plugins_act(self, decision: Decision, step: int, control: Control, acted: list[Finding]) -> None:
+        """Run the action plugins the rules chose, each once, with the first finding that chose it."""
         for name in [a for a in decision.actions if a in self._plugin_actions]:
             finding, rule = decision.actions[name][0]
             try:
@@ -129,22 +152,24 @@ class Judge:
                 raise
             except Exception as exc:
                 del self._plugin_actions[name]
-                _disabled(f"action plugin {name!r}", record.step, exc)
+                _disabled(f"action plugin {name!r}", step, exc)
                 continue
             if outcome and finding.id is not None:
                 finding.data.setdefault("outcome", {}).update(outcome)
-                self._writer.submit_findings([finding])
-        for action in ("clip", "scale_lr", "skip", "rollback", "halt"):
-            if decision.runs(action):
-                finding, rule = decision.actions[action][0]
-                outcome = actions.REGISTRY[action].apply(rule, finding, control)
-                if outcome and finding.id is not None:  # a folded repeat has no row of its own
-                    finding.data.setdefault("outcome", {}).update(outcome)
-                    self._writer.submit_findings([finding])
-        return decision.main
+                acted.append(finding)
 
-    def record(self, findings: Sequence[Finding]) -> None:
-        """Write findings (and the flight recorder's lead-up) and print them; fold repeats."""
+    @staticmethod
+    def _unapplied(decision: Decision, action: str) -> None:
+        """An action decided on did nothing (a clip below its bound): its findings say warn instead."""
+        for finding, _ in decision.actions.get(action, []):
+            if finding.action == action:
+                finding.action = "warn"
+
+    def record(self, findings: Sequence[Finding], *, show: bool = True) -> list[Finding]:
+        """Write findings (and the flight recorder's lead-up); fold repeats.
+
+        With ``show``, wait until they are on disk, then print them. Returns the new (unfolded) ones.
+        """
         fresh = []
         for f in findings:
             self.counts[f.severity] += 1
@@ -154,13 +179,17 @@ class Judge:
                 f.id = next(self._ids)
                 fresh.append(f)
         if not fresh:
-            return
+            return fresh
         for old in self._flight:
             self._writer.submit(dataclasses.replace(old, logged=True, detail=True, flight=True))
         self._flight.clear()
         self._writer.submit_findings([*fresh, *self._fold.take_updated()])
-        for f in fresh:
-            self._print(f)
+        if show:
+            if self._console is not None:
+                self._writer.flush()  # persist, then print
+            for f in fresh:
+                self._print(f)
+        return fresh
 
     def close(self) -> None:
         """Write the final repeat counts of folded findings."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from torch import nn
 from gradwatch import observed as obs
 from gradwatch import stats
 from gradwatch.control import LoopControl
-from gradwatch.errors import TrainingHalted
+from gradwatch.errors import GradwatchWarning, RunError, TrainingHalted
 from gradwatch.findings import Finding
 from gradwatch.iteration import Iteration, guarded
 from gradwatch.judge import Judge
@@ -71,6 +72,7 @@ class Lifecycle(Recording):
         self.current = None
         self.latest = {}
         self.since_snapshot = 0
+        self.snapshots_failed = False  # a snapshot could not be written: no more are taken
         #: set by a framework integration (``Watcher.integrate``)
         self.on_halt: Callable[[TrainingHalted], None] | None = None
         self.before_step: Callable[[], None] | None = None
@@ -154,7 +156,7 @@ class Lifecycle(Recording):
             record.skipped = True
             return Open(record, skip=True)
         self.control.healthy()
-        if self.snapshots is not None and not any(f.severity != "info" for f in findings):
+        if self.snapshots is not None and not self.snapshots_failed and not any(f.severity != "info" for f in findings):
             self._keep_snapshot(record.step)
         return Open(record, before=self.measure.snapshot(measured.launched))  # recorded when it closes
 
@@ -245,4 +247,10 @@ class Lifecycle(Recording):
         if self.snapshots.items and self.since_snapshot < self.options.snapshot_every:
             return
         self.since_snapshot = 0
-        self.snapshots.take(step, self.model(), *self.control.objects(), rng_state())
+        try:
+            self.snapshots.take(step, self.model(), *self.control.objects(), rng_state())
+        except (OSError, RunError, RuntimeError) as exc:  # a full disk, an unwritable folder
+            self.snapshots_failed = True
+            warnings.warn(f"gradwatch could not write a rollback snapshot at step {step} ({exc}); no more snapshots "
+                          "are taken in this run: a rollback restores an older one, or skips the step if there is "
+                          "none. Training goes on.", GradwatchWarning, stacklevel=2)

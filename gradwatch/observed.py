@@ -11,20 +11,32 @@ import torch
 #: name -> the values observed under it since the last step (numbers, or 0-d tensors on the device)
 Observed = dict[str, list[Any]]
 
+#: what gradwatch measures itself: observing it would overwrite the measurement
+RESERVED = ("grad_norm",)
+
 
 def validated(name: str, value: Any) -> Any:
     """``value`` as kept until the step: a detached 0-d tensor or a real number.
 
     Raises:
-        ValueError: a tensor with more than one element.
+        ValueError: a reserved name, a tensor with more than one element, or a number too large
+            for a float.
         TypeError: neither a number nor a tensor.
     """
+    if name in RESERVED:
+        raise ValueError(f"observe({name}=...): {name!r} is measured by gradwatch itself and cannot be observed; "
+                         f"use another name (e.g. {'my_' + name!r}; a norm before your own clipping is "
+                         "'grad_norm_preclip')")
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"observe({name}=...) needs a scalar, got a tensor of shape {tuple(value.shape)}")
         return value.detach().reshape(())
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"observe({name}=...) needs a number or a one-element tensor, got {type(value).__name__}")
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"observe({name}=...) got a number too large for a float ({str(value)[:20]}...)") from None
     return value
 
 

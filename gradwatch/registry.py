@@ -157,10 +157,11 @@ def _first_forward(module: nn.Module, inputs: Any) -> None:
         started._forward_started()  # the watcher's own hook joins from the next call on
 
 
-def _find(model: nn.Module) -> Watcher | None:
+def _find(model: nn.Module, *, detached: bool = False) -> Watcher | None:
+    """The model's open watcher; with ``detached``, also one that detached itself after an internal error."""
     for key in _keys(model):
         found = _watchers.get(key)
-        if found is not None and not found.closed:
+        if found is not None and (not found.closed or (detached and found.detached)):
             return found
     return None
 
@@ -173,7 +174,7 @@ def watcher(model: nn.Module) -> Watcher:
     """
     if isinstance(model, nn.Module):
         _start_pending(model)  # an instance of a decorated class not run yet: watch it now
-    found = _find(model) if isinstance(model, nn.Module) else None
+    found = _find(model, detached=True) if isinstance(model, nn.Module) else None
     if found is None:
         raise ConfigError("this model is not watched; call gw.watch(model) first")
     return found
@@ -184,14 +185,23 @@ def unwatch(model: nn.Module) -> None:
     entry = _pending.pop(model, None) if isinstance(model, nn.Module) else None
     if entry is not None:
         entry[0].remove()
-    found = _find(model) if isinstance(model, nn.Module) else None
+    found = _find(model, detached=True) if isinstance(model, nn.Module) else None
     if found is not None:
         found.close()
+        for key in _keys(model):  # a detached watcher stays registered until unwatched
+            if _watchers.get(key) is found:
+                del _watchers[key]
 
 
 def forget(watcher_: Watcher) -> None:
-    """Drop a closed watcher from the registry (called by :meth:`Watcher.close`)."""
+    """Drop a closed watcher from the registry (called by :meth:`Watcher.close`).
+
+    A watcher that detached itself after an internal error stays reachable through
+    :func:`watcher`, so that a loop calling ``gw.watcher(model).observe(...)`` goes on.
+    """
     _live.discard(watcher_)
+    if watcher_.detached:
+        return
     for key, value in list(_watchers.items()):
         if value is watcher_:
             del _watchers[key]

@@ -21,6 +21,7 @@ from gradwatch.lifecycle import Lifecycle
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
 from gradwatch.snapshots import Snapshots
+from gradwatch.writer import WriterDied
 
 log = logging.getLogger("gradwatch")
 
@@ -38,6 +39,8 @@ class Watcher:
         self.rules = config.rules
         self._status = "finished"
         self._halt: dict[str, Any] | None = None
+        #: gradwatch detached itself after an internal failure; every call is now a no-op
+        self.detached = False
         self._on_close = on_close
         found = discover(model, version=1)  # a model with nothing to train fails here, before any file
         out = startup.open_outputs(run_dir, startup.run_meta(model, found, options, config), options, config)
@@ -72,14 +75,26 @@ class Watcher:
         """Record extra scalars (``loss=``, ``lr=`` ...) for the step that follows.
 
         Values may be Python numbers or one-element tensors (read with the step's single host
-        read, never here). Several values of one name before a step are averaged.
+        read, never here). Several values of one name before a step are averaged. Once the
+        watcher is closed (or detached after an internal failure) values are checked, then dropped.
+
+        Raises:
+            ValueError: a name gradwatch measures itself (``grad_norm``), a tensor of more than one
+                element, or a number too large for a float.
+            TypeError: a value that is neither a number nor a tensor.
         """
-        for name, value in scalars.items():
-            self._steps.it.observed.setdefault(name, []).append(observed.validated(name, value))
+        values = {name: observed.validated(name, value) for name, value in scalars.items()}
+        if self.closed:
+            return
+        for name, value in values.items():
+            self._steps.it.observed.setdefault(name, []).append(value)
 
     def flush(self) -> None:
-        """Block until every step recorded so far is on disk."""
-        self._writer.flush()
+        """Block until every step recorded so far is on disk (returns at once once closed)."""
+        try:
+            self._writer.flush()
+        except WriterDied as exc:
+            self._fail(exc)
 
     def track(self, *objects: Any) -> None:
         """Snapshot and restore these LR schedulers / GradScalers on rollback.
@@ -214,16 +229,23 @@ class Watcher:
         self.close("halted")
 
     def close(self, status: str | None = None) -> None:
-        """Write what is pending, detach every hook, and close the run (idempotent)."""
+        """Write what is pending, detach every hook, and close the run (idempotent).
+
+        Never raises for a failure of gradwatch's own: the run keeps what was written, closed as crashed.
+        """
         if self._steps.closed:
             return
         self._steps.closed = True
+        failed = False
         try:
             self._steps.finish()
+            self.judge.close()
+        except Exception:
+            failed = True
+            log.exception("gradwatch: internal error while closing %s", self.run_dir)
         finally:
             self._steps.it.probe.detach()
-            self.judge.close()
-            final = status or self._status
+            final = status or ("crashed" if failed else self._status)
             self._writer.close(final)
             self._write_verdict(final)
             if self._on_close is not None:
@@ -254,8 +276,14 @@ class Watcher:
     def __repr__(self) -> str:
         return f"Watcher(run={str(self.run_dir)!r}, step={self.step}, closed={self.closed})"
 
-    def _fail(self, exc: Exception) -> None:
-        """Detach after an internal error, keeping what was recorded; training is not touched."""
+    def _fail(self, exc: BaseException) -> None:
+        """Detach after an internal error, keeping what was recorded; training is not touched.
+
+        The watcher stays reachable (``gw.watcher(model)``) as a detached one whose calls do nothing.
+        """
+        if self.detached:
+            return
+        self.detached = True
         self._steps.abandon()
         self.close("crashed")
         warnings.warn(

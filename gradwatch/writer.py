@@ -15,6 +15,12 @@ from gradwatch.sinks import Sink
 log = logging.getLogger("gradwatch")
 
 _STOP = object()
+#: how often a training thread waiting on the writer checks that the writer thread is still alive
+_POLL = 0.05
+
+
+class WriterDied(RuntimeError):
+    """The writer thread has stopped: nothing submitted can be written any more."""
 
 
 class _Findings(list):  # type: ignore[type-arg]
@@ -43,40 +49,88 @@ class Writer:
         self._wake = threading.Event()
         self._flush_seconds = flush_seconds
         self._failed: set[int] = set()
+        #: why the writer thread stopped before it was closed (None while it runs, or after close)
+        self.died: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"gradwatch-writer-{name}", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the writer thread still runs."""
+        return self._thread.is_alive()
+
     def submit(self, record: StepRecord) -> None:
-        """Queue one record for writing."""
-        self._queue.put(record)
+        """Queue one record for writing.
+
+        Raises:
+            WriterDied: the writer thread has stopped (the record cannot be written).
+        """
+        self._put(record)
         if self._queue.qsize() >= self._high_water:
             self._wake.set()
 
     def submit_findings(self, findings: Sequence[Finding]) -> None:
         """Queue findings (new, or written before and updated) for every sink that takes them."""
-        self._queue.put(_Findings([dataclasses.replace(f, data=dict(f.data)) for f in findings]))
+        self._put(_Findings([dataclasses.replace(f, data=dict(f.data)) for f in findings]))
         self._wake.set()
 
     def submit_meta(self, **values: object) -> None:
         """Queue run metadata (e.g. the optimizers found) for every sink that keeps it."""
-        self._queue.put(_Meta(values))
+        self._put(_Meta(values))
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every record submitted before this call is written by every sink."""
+        """Block until every record submitted before this call is written by every sink.
+
+        Returns at once when the writer was closed. Raises :class:`WriterDied` when the writer
+        thread stopped on its own: the training thread never waits on a dead writer.
+        """
+        if self.died is None and not self._thread.is_alive():
+            return  # closed: everything was written
         done = threading.Event()
-        self._queue.put(done)
+        self._put(done)
         self._wake.set()
-        done.wait(timeout)
+        waited = 0.0
+        while not done.wait(_POLL):
+            waited += _POLL
+            if not self._thread.is_alive():
+                self._check()
+                return
+            if timeout is not None and waited >= timeout:
+                return
+
+    def _put(self, item: object) -> None:
+        """Queue an item, waiting while the queue is full, but never on a writer thread that stopped."""
+        self._check()
+        while True:
+            try:
+                self._queue.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                self._check()
+
+    def _check(self) -> None:
+        if self.died is not None or not self._thread.is_alive():
+            raise WriterDied(f"the writer thread stopped: {self.died!r}" if self.died is not None
+                             else "the writer thread stopped")
 
     def close(self, status: str) -> None:
         """Write what is queued, close the sinks with the run's final status, stop the thread."""
-        if not self._thread.is_alive():
-            return
-        self._queue.put((_STOP, status))
-        self._wake.set()
-        self._thread.join()
+        while self._thread.is_alive():  # a writer that died is not waited for
+            try:
+                self._queue.put((_STOP, status), timeout=_POLL)
+            except queue.Full:
+                continue
+            self._wake.set()
+            self._thread.join()
 
     def _run(self) -> None:
+        try:
+            self._drain()
+        except BaseException as exc:  # anything that kills the thread: the training thread learns of it
+            self.died = exc
+            log.exception("gradwatch: the writer thread stopped; nothing more is written")
+
+    def _drain(self) -> None:
         while True:
             self._wake.wait(self._flush_seconds)
             self._wake.clear()
