@@ -24,6 +24,7 @@ import pandas as pd
 
 from gradwatch import downsample
 from gradwatch.report import items as explained
+from gradwatch.report import marks
 from gradwatch.report import summary as report_summary
 from gradwatch.report.data import CHUNK, HEATMAPS, MAX_COLUMNS, MAX_POINTS, MAX_ROWS, select_rows
 from gradwatch.report.remedies import explain
@@ -280,13 +281,18 @@ def curves(run: Run, cache: Curves, start: int | None = None, stop: int | None =
     lo, hi = _range(start, stop)
     steps = slice(lo, hi)
     out: dict[str, Any] = {}
+    log_loss = False
     for name in CURVES:
         s, v = cache.get(run, name)
+        if name == "loss":
+            log_loss = marks.loss_log(v)  # over the whole run, as the report decides it
         a, b = np.searchsorted(s, lo), (len(s) if hi is None else np.searchsorted(s, hi))
         s, v = s[a:b], v[a:b]
         if len(s):
             s, v = downsample.minmax(s, v, MAX_POINTS)
             out[name] = {"steps": s.tolist(), "values": _finite(v)}
+            if name == "loss":
+                out[name]["log"] = log_loss
     skipped = run.skipped_steps(steps)
     if len(skipped) > MAX_SKIPPED:
         skipped = skipped[np.linspace(0, len(skipped) - 1, MAX_SKIPPED).astype(np.int64)]
@@ -333,9 +339,9 @@ def flow(run: Run, step: int | None = None) -> dict[str, Any]:
     values, before = now.to_numpy()[0], then.to_numpy()[0]
     keep = np.isfinite(values) | np.isfinite(before)  # layers with parameters that had a gradient
     layers = [n for n, k in zip(now.columns, keep) if k]
-    flagged = sorted({str(x) for x in run.findings()["layer"] if isinstance(x, str)} & set(layers))
+    flagged, earlier = marks.flow_marks(run.findings(), int(row), layers)  # the state of the step shown
     return {"step": int(row), "first_step": int(first), "layers": layers,
-            "values": _finite(values[keep]), "first": _finite(before[keep]), "flagged": flagged}
+            "values": _finite(values[keep]), "first": _finite(before[keep]), "flagged": flagged, "earlier": earlier}
 
 
 def _metric(metric: str) -> tuple[str, bool]:

@@ -402,7 +402,8 @@ def test_cli_unreadable_run_is_one_line_exit_2(tmp_path: Path) -> None:
 
 
 def test_cli_unwritable_output_is_one_line_exit_2(runs: dict[str, Path], tmp_path: Path) -> None:
-    code, _, err = gradwatch("report", str(runs["warnings"]), "-o", str(tmp_path / "no" / "such" / "dir.html"))
+    (tmp_path / "file").write_text("a file where a folder would be")  # missing folders are created; this cannot be
+    code, _, err = gradwatch("report", str(runs["warnings"]), "-o", str(tmp_path / "file" / "such" / "dir.html"))
     assert code == 2 and err.startswith("gradwatch: error: cannot write the report") and err.count("\n") == 1
 
 

@@ -257,7 +257,8 @@
       if (has("loss")) {
         traces.push({ x: c.curves.loss.steps, y: c.curves.loss.values, yaxis: yname.loss, mode: "lines", name: "loss",
                       line: { color: "#2f6fde", width: 1.4 }, hovertemplate: "step %{x}<br>loss %{y:.4g}<extra></extra>" });
-        Object.assign(lay[yname.loss === "y" ? "yaxis" : `yaxis${yname.loss.slice(1)}`], { title: { text: "loss" } });
+        Object.assign(lay[yname.loss === "y" ? "yaxis" : `yaxis${yname.loss.slice(1)}`],
+                      { title: { text: "loss" }, ...(c.curves.loss.log ? { type: "log", exponentformat: "power" } : {}) });
       }
       if (has("grad_norm")) {
         traces.push({ x: c.curves.grad_norm.steps, y: c.curves.grad_norm.values, yaxis: yname.grad, mode: "lines",
@@ -347,13 +348,18 @@
       $("flow-step").textContent = `step ${fmt(f.step)}`;
       const n = f.layers.length;
       const x = f.layers.map((_, i) => i);
-      const flagged = new Set(f.flagged);
+      // a bar is coloured by a finding that holds at the step shown (red: error, amber: warning); a layer whose
+      // findings ended before it keeps its blue bar with an amber outline, and its hover names that step
+      const now = f.flagged, earlier = f.earlier;
       const types = new Map(state.layers.map((l) => [l.name, l.type]));
-      const custom = f.layers.map((name) => [esc(name), esc(types.get(name) || "")]);
+      const custom = f.layers.map((name) => [esc(name), esc(types.get(name) || ""),
+        name in now ? `<br>${now[name]} at this step` : name in earlier ? `<br>finding at step ${earlier[name]}` : ""]);
       const traces = [
         { type: "bar", x, y: f.values.map((v) => (v > 0 ? v : null)), name: `step ${f.step}`, customdata: custom,
-          marker: { color: f.layers.map((name) => (flagged.has(name) ? COLOURS.error : "#2f6fde")) },
-          hovertemplate: "%{customdata[0]} (%{customdata[1]})<br>grad norm %{y:.3g}<extra>latest</extra>" },
+          marker: { color: f.layers.map((name) => (name in now ? COLOURS[now[name]] : "#2f6fde")),
+                    line: { color: f.layers.map((name) => (name in earlier ? COLOURS.warning : "rgba(0,0,0,0)")),
+                            width: f.layers.map((name) => (name in earlier ? 2 : 0)) } },
+          hovertemplate: "%{customdata[0]} (%{customdata[1]})<br>grad norm %{y:.3g}%{customdata[2]}<extra>latest</extra>" },
         { type: "scatter", mode: n <= 200 ? "lines+markers" : "lines", x, y: f.first.map((v) => (v > 0 ? v : null)),
           name: `first step (${f.first_step})`, customdata: custom, line: { color: "#8a94a6", width: 1.2 },
           marker: { size: 4 }, hovertemplate: "%{customdata[0]}<br>grad norm %{y:.3g}<extra>first step</extra>" },
@@ -498,7 +504,9 @@
     const load = serial(async () => {
       const curves = await Promise.all(ids.map((run) => api("/api/run/curves", { run })));
       const flows = await Promise.all(ids.map((run) => api("/api/run/flow", { run })));
-      for (const [name, target, log] of [["grad_norm", "cmp-grad", true], ["loss", "cmp-loss", false]]) {
+      // the loss is on a log scale when every compared run's is (the rule of the run page and the report)
+      const logLoss = curves.some((c) => c.curves.loss) && curves.every((c) => !c.curves.loss || c.curves.loss.log);
+      for (const [name, target, log] of [["grad_norm", "cmp-grad", true], ["loss", "cmp-loss", logLoss]]) {
         const traces = curves.map((c, k) => (c.curves[name] ? {
           x: c.curves[name].steps, y: c.curves[name].values, mode: "lines", name: esc(ids[k]),
           line: { color: colour(k), width: 1.4 }, hovertemplate: `${esc(ids[k])}<br>step %{x}<br>%{y:.4g}<extra></extra>`,

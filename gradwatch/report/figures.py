@@ -13,6 +13,7 @@ from plotly.utils import PlotlyJSONEncoder
 
 from gradwatch.report.data import Flow, Heat, Report
 from gradwatch.report.items import Item, Spark
+from gradwatch.report.marks import loss_log
 from gradwatch.report.text import fmt
 
 #: severity colours (the page's CSS uses the same)
@@ -82,8 +83,7 @@ def timeline(report: Report) -> go.Figure | None:
         fig.add_trace(go.Scatter(x=_steps(report.loss.steps), y=report.loss.values, name="loss", mode="lines",
                                  line=dict(color="#2f6fde", width=1.4),
                                  hovertemplate="step %{x}<br>loss %{y:.4g}<extra></extra>"), row=row["loss"], col=1)
-        loss = report.loss.values[np.isfinite(report.loss.values)]
-        log = bool(len(loss) and loss.min() > 0 and loss.max() / loss.min() > 1e3)
+        log = loss_log(report.loss.values)  # the dashboard's timeline decides the same way
         fig.update_yaxes(title_text="loss", type="log" if log else None, row=row["loss"], col=1)
     if report.grad is not None:
         fig.add_trace(go.Scatter(x=_steps(report.grad.steps), y=report.grad.values, name="global grad norm",
