@@ -133,9 +133,13 @@ class LoopControl:
             adaptive = True
         else:
             adaptive = False
-        if not math.isfinite(max_norm) or not math.isfinite(self.total) or self.total <= max_norm:
+        total = self.total
+        if math.isinf(total) and self.grads:  # finite elements whose float32 sum of squares overflowed
+            total = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g, dtype=torch.float64) for g in self.grads])))
+        if not math.isfinite(max_norm) or not math.isfinite(total) or total <= max_norm:
             return {"clipped": False, "max_norm": max_norm, "adaptive": adaptive}
-        coef = max_norm / (self.total + 1e-6)
+        coef = max_norm / (total + 1e-6)
         torch._foreach_mul_(self.grads, coef)
         return {"clipped": True, "max_norm": max_norm, "adaptive": adaptive, "coef": coef}
 

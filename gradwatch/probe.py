@@ -37,6 +37,53 @@ def first_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
+def unwatched(owner: Any, *args: Any) -> None:
+    """What a copy of a watched model (``copy.deepcopy``, ``torch.save``/``torch.load``, EMA/SWA's
+    ``AveragedModel``) holds where the original has a gradwatch hook: a hook that does nothing and
+    removes itself on its first call. The copy is not watched; watch it with ``gw.watch(copy)``.
+    """
+    for name in _HOOK_DICTS:
+        hooks = getattr(owner, name, None)
+        if isinstance(hooks, dict):
+            for key in [k for k, hook in hooks.items() if hook is unwatched]:
+                del hooks[key]
+
+
+def _unwatched_copy() -> Callable[..., None]:
+    """What a pickled :class:`Hook` loads as."""
+    return unwatched
+
+
+#: the hook dicts of modules and tensors where gradwatch registers hooks
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_post_accumulate_grad_hooks")
+
+
+class Hook:
+    """One of gradwatch's hooks on the user's module or parameter.
+
+    The model is the user's: copying or saving it must work while it is watched. A copy of the
+    hook (``deepcopy``, pickle) is :func:`unwatched`, which keeps no reference to this watcher.
+    """
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self._call = call
+
+    def __call__(self, *args: Any) -> Any:
+        """Run the hook."""
+        return self._call(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return unwatched
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _unwatched_copy, ()
+
+    def __repr__(self) -> str:
+        return f"<gradwatch hook {getattr(self._call, '__qualname__', self._call)!r}>"
+
+
 class Probe:
     """Owns the hooks on one model; calls back into its watcher."""
 
@@ -54,8 +101,8 @@ class Probe:
         self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
         self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._forward_pre, with_kwargs=True),
-            model.register_forward_hook(self._forward_post),
+            model.register_forward_pre_hook(Hook(self._forward_pre), with_kwargs=True),
+            model.register_forward_hook(Hook(self._forward_post)),
             register_optimizer_step_pre_hook(on_step_pre),
             register_optimizer_step_post_hook(lambda opt, args, kwargs: on_step_post(opt)),
         ]
@@ -85,7 +132,7 @@ class Probe:
         """Move the sentinel hook (which marks the end of backward passes) to ``param``."""
         if self._sentinel is not None:
             self._sentinel.remove()
-        self._sentinel = param.register_post_accumulate_grad_hook(self._on_backward_end)
+        self._sentinel = param.register_post_accumulate_grad_hook(Hook(self._on_backward_end))
 
     # ----------------------------------------------------------- activations
     @property
@@ -100,7 +147,7 @@ class Probe:
         self.activations = []
         for index, module in leaves:
             hook = self._activation_hook(index, bounds(module))
-            self._act_handles.append(module.register_forward_hook(hook))
+            self._act_handles.append(module.register_forward_hook(Hook(hook)))
 
     def _activation_hook(self, index: int, limits: tuple[float, float] | None) -> Callable[..., None]:
         store = self.activations

@@ -199,10 +199,11 @@ _KILLED_AT_PRINT = textwrap.dedent("""
     Store.write_findings = slow
 
     show = Judge._print
-    def killed(self, finding):  # the process is killed the moment the finding's line is printed
+    def killed(self, finding):  # the process is killed the moment the NaN's line is printed
         show(self, finding)
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        if finding.kind == "nonfinite":
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
     Judge._print = killed
 
     rule = sys.argv[2]
