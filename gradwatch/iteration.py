@@ -98,6 +98,8 @@ class Iteration:
 
     def failed(self, exc: Exception) -> None:
         """An internal error in one of this object's hooks."""
+        if tracker is not None:
+            self.probe.on_output = tracker.output
         self._steps.failed(exc)
 
     def relayout(self, found: Discovered) -> None:

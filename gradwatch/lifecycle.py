@@ -215,7 +215,6 @@ class Lifecycle(Recording):
                     record.origin = self.tracker.find(loss_finite)
                 finally:
                     self.it.probe.paused = False
-            self.tracker.clear()
         findings = self.judge.check(record)
         if self.group is not None:  # every rank judges the same findings: the same action everywhere
             if self.group.due(record.step):
@@ -246,6 +245,14 @@ class Lifecycle(Recording):
         self.since_snapshot += 1
         if self.snapshots.items and self.since_snapshot < self.options.snapshot_every:
             return
+        if self.tracker is not None:
+            if findings:  # the samples that carry a loss spike or an exploding step, by per-sample replays
+                self.it.probe.paused = True
+                try:
+                    self.tracker.explain(findings)
+                finally:
+                    self.it.probe.paused = False
+            self.tracker.clear()
         self.since_snapshot = 0
         try:
             self.snapshots.take(step, self.model(), *self.control.objects(), rng_state())

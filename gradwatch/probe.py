@@ -108,6 +108,8 @@ class Probe:
         ]
         #: set while gradwatch itself runs the model (origin replay): every hook stands aside
         self.paused = False
+        #: called with the root module's output of each forward (origin tracking keeps a reference)
+        self.on_output: Callable[[torch.Tensor], None] | None = None
         self._sentinel: RemovableHandle | None = None
         self._act_handles: list[RemovableHandle] = []
         #: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call since attach
@@ -123,6 +125,8 @@ class Probe:
             out = first_tensor(output)
             if out is not None and out.requires_grad:
                 out.register_hook(self._output_grad)
+                if self.on_output is not None:
+                    self.on_output(out)
 
     def _output_grad(self, grad: torch.Tensor) -> None:
         if not self.paused:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch import observed, startup, verdict
+from gradwatch import observed, origin, startup, verdict
 from gradwatch.config import Config
 from gradwatch.control import LoopControl
 from gradwatch.errors import GradwatchError, InternalWarning, TrainingHalted
@@ -20,6 +20,8 @@ from gradwatch.layout import discover
 from gradwatch.lifecycle import Lifecycle
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
+from gradwatch.rootcause import loader
+from gradwatch.rootcause.skiplist import SkipList
 from gradwatch.snapshots import Snapshots
 from gradwatch.writer import WriterDied
 
@@ -47,6 +49,8 @@ class Watcher:
         self.options, self.writes, self._writer = out.options, out.writes, out.writer
         self.judge = Judge(config, self.options, self._writer, out.plugin_actions)
         self.control = LoopControl(self)
+        #: samples left out of :meth:`batches` (a rule's ``skip_samples``), in the run's ``skip_samples.txt``
+        self.skip_list = SkipList(run_dir if self.writes else None)
         self.snapshots: Snapshots | None = None
         if self.judge.rolls_back:
             where = Path(self.options.snapshot_dir) if self.options.snapshot_dir is not None else None
@@ -71,21 +75,29 @@ class Watcher:
         """Layer names in model order."""
         return self._steps.found.layout.layers
 
-    def observe(self, **scalars: Any) -> None:
+    def observe(self, *, sample_ids: Any = None, sample_losses: Any = None, **scalars: Any) -> None:
         """Record extra scalars (``loss=``, ``lr=`` ...) for the step that follows.
 
         Values may be Python numbers or one-element tensors (read with the step's single host
         read, never here). Several values of one name before a step are averaged. Once the
         watcher is closed (or detached after an internal failure) values are checked, then dropped.
 
+        ``sample_ids`` (a sequence or 1-D tensor, in batch order) names the samples findings blame
+        (and a rule's ``skip_samples`` leaves out); ``sample_losses`` (one per sample) tells a loss
+        spike which samples carry it. Both belong to the latest forward pass, or the next.
+
         Raises:
             ValueError: a name gradwatch measures itself (``grad_norm``), a tensor of more than one
                 element, or a number too large for a float.
-            TypeError: a value that is neither a number nor a tensor.
+            TypeError: a value that is neither a number nor a tensor; sample ids that are not a
+                sequence; sample losses that are not a tensor.
         """
         values = {name: observed.validated(name, value) for name, value in scalars.items()}
+        samples = origin.checked_samples(sample_ids, sample_losses)
         if self.closed:
             return
+        if samples and self._steps.tracker is not None:
+            self._steps.tracker.note(**samples)
         for name, value in values.items():
             self._steps.it.observed.setdefault(name, []).append(value)
 
@@ -110,17 +122,29 @@ class Watcher:
         """Upcoming batches a rollback asked to skip (:meth:`batches` skips them for you)."""
         return self.control.pending_skips
 
-    def batches(self, iterable: Any) -> Any:
-        """Iterate over ``iterable`` (a DataLoader ...), leaving out the batches a rollback skips.
+    def batches(self, iterable: Any, *, skip: Any = None) -> Any:
+        """Iterate over ``iterable`` (a DataLoader ...), leaving out the batches a rollback skips
+        and the samples of the skip list (:attr:`skip_list`).
+
+        A map-style DataLoader's dataset indices are the samples' ids (unless ``observe(sample_ids=...)``
+        gives others); ``skip`` adds an earlier run's skip list (its directory or file) or ids.
 
         Example:
             ``for x, y in gw.watcher(model).batches(loader): ...``
         """
-        for item in iterable:
+        if skip is not None:
+            self.skip_list.load(skip)
+        for item, ids in loader.indexed(iterable, self.skip_list):
             if self.control.pending_skips > 0:
                 self.control.pending_skips -= 1
                 continue
+            if ids is not None and self._steps.tracker is not None and not self.closed:
+                self._steps.tracker.note(sample_ids=ids, weak=True)
             yield item
+
+    def leave_out_samples(self, ids: list[Any]) -> list[Any]:
+        """Add samples to the skip list and its file; returns the new ones."""
+        return self.skip_list.extend(ids)
 
     @property
     def findings(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import numpy as np
 from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
 from gradwatch.records import PARAM, StepRecord, present
+from gradwatch.rootcause import words
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 
@@ -46,7 +47,9 @@ class NonFinite(Detector):
             bad_act = present(record, "layer", "act_norm") & ~np.isfinite(act)
         if not (bad_loss or bad_grads or bad_act.any()):
             return []
-        origin = dict(record.origin or self._attribute(record, bad_act))
+        origin = dict(record.origin or {})
+        if origin.get("how", "attributed") == "attributed" and origin.get("layer") is None:  # not replayed/reproduced
+            origin = {**self._attribute(record, bad_act), **{k: v for k, v in origin.items() if v is not None}}
         layers = record.layout.layers
         grad_counts = record.vector("grad_nonfinite")
         bad_layers = []
@@ -61,7 +64,8 @@ class NonFinite(Detector):
         if bad_act.any():
             n = int(bad_act.sum())
             what.append("1 layer's activations are NaN/Inf" if n == 1 else f"{n:,} layers' activations are NaN/Inf")
-        message = f"{_where(origin)} at step {record.step}: {', '.join(what)}."
+        message = (words.nonfinite_message(origin, record.step, what)  # the op, line, cause and samples
+                   or f"{_where(origin)} at step {record.step}: {', '.join(what)}.")
         data: dict[str, Any] = {
             "origin": origin.get("how", "attributed"),
             "type": origin.get("type"),
@@ -74,6 +78,7 @@ class NonFinite(Detector):
             data["note"] = origin["note"]
         return [self.finding(record, "error", origin.get("layer"), message, value=float(bad_grads),
                              phase=origin.get("phase"), data=data)]
+        data.update(words.data(origin))
 
     @staticmethod
     def _attribute(record: StepRecord, bad_act: np.ndarray) -> dict[str, Any]:

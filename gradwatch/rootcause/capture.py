@@ -1,0 +1,104 @@
+"""Captures (probe stage, every step; references only): what a replay of one forward call needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradwatch.rootcause.state import Autocast, tensors
+
+#: output gradients up to this many elements are kept for the replay; larger ones are replaced
+#: by a finite substitute (the birth place of a NaN in backward rarely depends on its values)
+KEEP_GRAD_NUMEL = 1 << 22
+#: forward calls per step kept for replay (gradient accumulation)
+MAX_CAPTURES = 16
+
+
+@dataclass
+class Capture:
+    """One forward call of the root module, kept by reference (nothing is copied).
+
+    Attributes:
+        args, kwargs: the call's inputs.
+        rng: the RNG states it started from.
+        autocast: the autocast state it ran under (a replay runs under the same).
+        versions: the version counter of each input tensor, to tell inputs changed in place since.
+        grad: the gradient that arrived at the model's output, when small enough to keep.
+        grad_finite: a device flag saying whether that gradient was finite, when it was not kept.
+        output: the call's output (its first floating-point tensor), when small enough to keep: a
+            replay whose output is finite where this one was not did not reproduce the step.
+        ids: the user's ids of the batch's samples (``observe(sample_ids=...)``, ``batches(loader)``),
+            as given (a 1-D tensor stays on its device: it is read only if a sample is blamed).
+        weak_ids: the ids are a DataLoader's indices, which the user's own replace.
+        losses: the per-sample losses the loop observed (``observe(sample_losses=...)``).
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: list[torch.Tensor]
+    autocast: Autocast = field(default_factory=Autocast)
+    versions: tuple[int, ...] = ()
+    grad: torch.Tensor | None = None
+    grad_finite: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    ids: Any = None
+    weak_ids: bool = False
+    losses: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], rng: list[torch.Tensor], autocast: Autocast) -> Capture:
+        """A capture of a forward call starting now."""
+        return cls(args, dict(kwargs), rng, autocast, tuple(t._version for t in tensors((args, kwargs))))
+
+    def keep_grad(self, grad: torch.Tensor) -> None:
+        """The gradient arriving at the call's output: kept, or reduced to a finiteness flag."""
+        if grad.numel() <= KEEP_GRAD_NUMEL:
+            self.grad = grad
+        else:
+            self.grad_finite = torch.isfinite(grad).all()
+
+    def modified(self) -> bool:
+        """Whether an input tensor was changed in place after the forward (a replay would differ)."""
+        return tuple(t._version for t in tensors((self.args, self.kwargs))) != self.versions
+
+    @property
+    def batch(self) -> int | None:
+        """The batch size: the number of sample ids, else the first dimension of the first input tensor."""
+        if self.ids is not None:
+            return len(self.ids)
+        first = next((t for t in tensors((self.args, self.kwargs)) if t.dim() > 0), None)
+        return int(first.shape[0]) if first is not None else None
+
+    def sample_ids(self, indices: list[int]) -> list[Any] | None:
+        """The user's ids of the samples at ``indices`` of the batch (None when no ids were given)."""
+        if self.ids is None:
+            return None
+        return [plain(self.ids[i]) if 0 <= i < len(self.ids) else None for i in indices]
+
+
+def checked_ids(ids: Any) -> Any:
+    """Sample ids as the loop gave them, checked without reading a tensor's values.
+
+    Raises:
+        TypeError: neither a sequence nor a 1-D tensor.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1:
+            raise TypeError(f"observe(sample_ids=...) needs one id per sample, got a tensor of shape "
+                            f"{tuple(ids.shape)}")
+        return ids.detach()
+    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__len__") or not hasattr(ids, "__getitem__"):
+        raise TypeError(f"observe(sample_ids=...) needs a sequence of ids (a list, tuple or 1-D tensor), "
+                        f"got {type(ids).__name__}")
+    return ids
+
+
+def plain(x: Any) -> Any:
+    """One id as a JSON-able value: a number or a string (anything else is written as its ``str``)."""
+    if hasattr(x, "item") and callable(x.item):
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, (int, float, str)):
+        return str(x)
+    return x

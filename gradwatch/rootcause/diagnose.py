@@ -1,0 +1,137 @@
+"""Diagnose (judge stage, rare path): from the module the first replay located to the op, line, cause and samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradwatch.rootcause import cause, nodes, ops
+from gradwatch.rootcause.capture import Capture
+from gradwatch.rootcause.locate import Located
+from gradwatch.rootcause.samples import blamed, concentrated, nonfinite_rows, outliers
+from gradwatch.rootcause.state import Rng
+
+
+def _rank() -> int | None:
+    """The rank of this process in distributed training, or None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return int(dist.get_rank())
+    return None
+
+
+def not_reproducible(replayed: int) -> dict[str, Any]:
+    """The origin of a step whose replay stayed finite."""
+    rank = _rank()
+    on = f" on rank {rank}" if rank is not None else ""
+    detail = (f"the replay of the step{on} (same batch, same RNG state, {replayed} forward call(s)) stayed finite "
+              "where the step was not: a non-deterministic kernel, a race, or faulty hardware (silent data corruption)"
+              "; a forward pass with side effects that a replay cannot repeat looks the same")
+    root: dict[str, Any] = {"cause": cause.NOT_REPRODUCIBLE, "cause_detail": detail}
+    if rank is not None:
+        root["rank"] = rank
+    return {"how": "attributed", "root_cause": root,
+            "note": "the replay did not reproduce the NaN/Inf: the layer is the latest with a NaN/Inf gradient"}
+
+
+def diagnose(model: nn.Module, cap: Capture, located: Located, rng: Rng, reference: dict[str, float]) -> dict[str, Any]:
+    """The full origin of a reproduced NaN/Inf: today's module-level fields plus ``root_cause`` and ``samples``."""
+    origin = located.origin()
+    batch = cap.batch
+    if located.source == "input":
+        origin["samples"] = blamed(cap, nonfinite_rows((cap.args, cap.kwargs), batch) or [],
+                                   "samples of the batch holding NaN/Inf")
+        origin["root_cause"] = {"cause": cause.DATA, "cause_detail": "the batch itself holds NaN/Inf"}
+        return origin
+    if located.source == "loss":
+        loss_rows = nonfinite_rows(located.output, batch) if located.output is not None else None
+        if loss_rows:
+            origin["samples"] = blamed(cap, loss_rows, "rows of the loss's gradient at the model's output that are "
+                                       "NaN/Inf")
+        origin["root_cause"] = {"cause": None, "cause_detail": "born in the loss function, which runs outside the "
+                                "model and is not replayed: check it for log/division of zero"}
+        return origin
+    assert located.module is not None
+    search = ops.search if located.phase == "forward" else nodes.search
+    born, call = search(model, cap, located, rng)
+    root: dict[str, Any] = born.to_json() if born is not None else {
+        "op": None, "note": f"no single op inside {located.name} gave birth to the NaN/Inf in the replay"}
+    if born is not None and born.layer not in (None, located.name):
+        origin["layer"] = born.layer
+        origin["type"] = type(dict(model.named_modules()).get(born.layer, located.module)).__name__
+        origin["note"] = (f"{located.name} ({located.kind}) returns -inf/inf by design; the first NaN/Inf that "
+                          f"was not meant was born in {born.layer}")
+    rows = None
+    if born is not None and born.rows is not None:
+        rows = nonfinite_rows(born.rows, batch)
+    if rows is None and located.phase == "forward":
+        rows = nonfinite_rows(located.output, batch)
+    if rows is None and located.phase == "backward" and born is not None and born.param is not None:
+        rows = _weight_rows(born, batch)
+    if rows:
+        how = ("rows of the op's output that are NaN/Inf" if located.phase == "forward"
+               else "rows whose products input x grad_output carry the overflowing weight gradient"
+               if born is not None and born.param is not None and born.rows is None
+               else "rows of the gradient the op made that are NaN/Inf")
+        origin["samples"] = blamed(cap, rows, how)
+    root.update(_cause(model, cap, located, call, rng, reference, rows, born))
+    origin["root_cause"] = root
+    return origin
+
+
+def _weight_rows(born: ops.Born, batch: int | None) -> list[int] | None:
+    """Samples carrying an overflowing weight gradient: the fewest rows whose ``|x_i| |g_i|`` carry
+    half of it (see :func:`gradwatch.rootcause.nodes._row_scores`).
+    """
+    if born.scores is None or batch is None or born.scores.numel() != batch:
+        return None
+    return concentrated(born.scores)
+
+
+def _cause(model: nn.Module, cap: Capture, located: Located, call: dict[str, Any], rng: Rng,
+           reference: dict[str, float], rows: list[int] | None, born: ops.Born | None) -> dict[str, Any]:
+    """The cause class and its detail."""
+    module = located.module
+    assert module is not None
+    op = born.op if born is not None else None
+    dtype: str | None = None
+    if call:
+        wider, dtype = cause.precision(module, call, located, cap.autocast, rng)
+        if wider:
+            return {"cause": cause.PRECISION, "cause_detail": cause.words_precision(located, dtype, cap.autocast, op),
+                    "precision_replay": dtype}
+        if wider is None:
+            note, dtype = dtype, None
+        else:
+            note = None
+    else:
+        note = "the origin module's call was not seen again in the replay"
+    batch = cap.batch
+    if rows and batch is not None and len(rows) < batch:
+        stand_out = outliers(cap, rows)
+        if stand_out is not None:
+            return {"cause": cause.DATA, "cause_detail": f"only {len(rows)} of the batch's {batch} samples went "
+                    f"NaN/Inf and {stand_out}"}
+    grew = cause.grown(model, reference)
+    out: dict[str, Any] = {"cause": cause.MODEL, "cause_detail": cause.words_model(grew, dtype)}
+    if grew:
+        out["grew"] = grew
+    if note:
+        out["cause_note"] = note
+    return out
+
+
+def reference_norms(model: nn.Module) -> dict[str, float]:
+    """Every parameter's norm now (one host read; taken once, when watching begins)."""
+    named = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
+    if not named:
+        return {}
+    try:
+        with torch.no_grad():
+            values = torch.stack([p.detach().float().norm().to("cpu") for _, p in named]).tolist()
+    except RuntimeError:  # parameters on several devices that cannot be stacked, or not materialised
+        return {}
+    return dict(zip((n for n, _ in named), values))

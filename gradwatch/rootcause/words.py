@@ -1,0 +1,112 @@
+"""Words (judge stage): how a finding says where a NaN/Inf was born, why, and which samples carry it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the keys of an origin (see :class:`gradwatch.origin.Tracker`) that a finding's data carries as they are
+CARRIED = ("root_cause", "samples", "replay_ms")
+#: sample indices and ids named in a message at most
+NAMED = 5
+
+CAUSES = {
+    "data": "data",
+    "precision": "precision",
+    "not_reproducible": "not reproducible",
+    "model": "model",
+}
+
+
+def _listed(values: list[Any]) -> str:
+    shown = ", ".join(repr(v) if isinstance(v, str) else str(v) for v in values[:NAMED])
+    return shown + (f" and {len(values) - NAMED} more" if len(values) > NAMED else "")
+
+
+def samples_phrase(samples: dict[str, Any] | None) -> str | None:
+    """``sample 5 (id 'img-5')`` / ``samples 2, 7 (ids 'a', 'b')``, or None when none is blamed."""
+    if not samples or not samples.get("indices"):
+        return None
+    indices = samples["indices"]
+    text = f"sample{'s' if len(indices) > 1 else ''} {_listed(indices)}"
+    ids = samples.get("ids")
+    if ids and any(i is not None for i in ids):
+        text += f" (id{'s' if len(ids) > 1 else ''} {_listed(ids)})"
+    return text
+
+
+def cause_phrase(root: dict[str, Any]) -> str | None:
+    """``cause: precision — <detail>``, or None when no cause was decided."""
+    name = CAUSES.get(str(root.get("cause")))
+    if name is None:
+        return None
+    detail = root.get("cause_detail")
+    return f"cause: {name}" + (f" ({detail})" if detail else "")
+
+
+def op_phrase(origin: dict[str, Any]) -> str | None:
+    """``NaN born in `aten::log` at model.py:12 `y = torch.log(x)` in the forward pass of feat (LogFeatures)``."""
+    root = origin.get("root_cause") or {}
+    if not root.get("op"):
+        return None
+    what = f"{root.get('born') or 'NaN/Inf'} born in "
+    if root.get("param"):
+        what += f"the gradient of {root['param']}, in "
+    what += f"`{root['op']}`"
+    if root.get("node"):
+        what += f" ({root['node']})"
+    if root.get("line") is not None and root.get("file"):
+        import os
+
+        what += f" at {os.path.basename(str(root['file']))}:{root['line']}"
+        if root.get("code"):
+            what += f" `{root['code']}`"
+    layer, kind = origin.get("layer"), origin.get("type")
+    if layer is not None:
+        what += f" in the {origin.get('phase')} pass of {layer}" + (f" ({kind})" if kind else "")
+    return what
+
+
+def nonfinite_message(origin: dict[str, Any], step: int, what: list[str]) -> str | None:
+    """The message of a non-finite finding whose step was replayed to its op (or found not reproducible),
+    or None to keep the module-level message.
+    """
+    root = origin.get("root_cause") or {}
+    head = op_phrase(origin)
+    parts: list[str] = []
+    if head is not None:
+        head = f"{head} at step {step}: {root.get('fact')}"
+    elif root.get("cause") == "not_reproducible":
+        head = f"NaN/Inf at step {step} did not come back when the step was replayed"
+        if origin.get("layer"):
+            head += f" (latest layer with a NaN/Inf gradient: {origin['layer']})"
+    elif root.get("cause") == "data" and origin.get("source") == "input":
+        head = f"The model's input batch holds NaN/Inf at step {step}"
+    else:
+        return None
+    cause = cause_phrase(root)
+    if cause is not None:
+        parts.append(cause)
+    blamed = samples_phrase(origin.get("samples"))
+    if blamed is not None:
+        parts.append(f"samples to blame: {blamed}")
+    if what:
+        parts.append(", ".join(what))
+    return head + "; " + "; ".join(parts) + "."
+
+
+def blame_sentence(samples: dict[str, Any]) -> str:
+    """One sentence appended to a loss spike's or exploding step's message."""
+    blamed = samples_phrase(samples)
+    if blamed is not None:
+        share = samples.get("share")
+        verb = "carries" if len(samples["indices"]) == 1 else "carry"
+        carried = f" {verb} {share:.1%} of the step's {samples.get('how')}" if isinstance(share, (int, float)) else ""
+        return f"Samples to blame: {blamed}{carried}."
+    if samples.get("spread"):
+        return f"No few samples carry it: the {samples.get('how')} is spread over the batch."
+    return f"No samples blamed: {samples.get('reason')}."
+
+
+def data(origin: dict[str, Any]) -> dict[str, Any]:
+    """What a finding's ``data`` keeps of an origin: ``root_cause``, ``samples`` and ``replay_ms``."""
+    return {k: origin[k] for k in CARRIED if origin.get(k) is not None}
