@@ -20,6 +20,9 @@ KINDS = (
     "unused_parameter",
     "amp_overflow",
     "replica_divergence",
+    "learning_rate",
+    "zero_gradient",
+    "unoptimized_parameter",
 )
 
 

@@ -59,7 +59,10 @@ def test_dead_relu_from_a_huge_negative_bias(run_dir: Path) -> None:
         model[0].bias.fill_(-100.0)
     run = fit(model, run_dir, 25)
     assert first(run, "dead_units") == (10, "1"), "sampled steps 0 and 10"
-    assert first(run, "vanishing") == (9, "0"), "no gradient flows back through the dead ReLU"
+    found = run.findings()
+    assert list(found.kind) == ["dead_units"], "one root cause, one finding (issue 15): '0' gets no gradient " \
+        "because of the dead ReLU, which is not a vanishing gradient of its own"
+    assert found.data.iloc[0]["no_gradient"] == ["0"] and "no gradient reaches '0'" in found.message.iloc[0]
 
 
 def test_saturated_sigmoid(run_dir: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from gradwatch import plugins
 from gradwatch.detectors.base import Bound, Detector
+from gradwatch.detectors.causes import Causes
 from gradwatch.errors import ConfigError
 
 __all__ = ["REGISTRY", "Bound", "Detector", "build", "check_bounds", "check_type", "lookup", "plugin", "settings"]
@@ -28,12 +29,15 @@ def _registry() -> dict[str, type[Detector]]:
         amp_overflow,
         dead_units,
         exploding,
+        learning_rate,
         loss_spike,
         nonfinite,
         saturation,
+        unoptimized_parameter,
         unused_parameter,
         update_ratio,
         vanishing,
+        zero_gradient,
     )
 
     classes: list[type[Detector]] = [
@@ -46,6 +50,9 @@ def _registry() -> dict[str, type[Detector]]:
         update_ratio.UpdateRatio,
         unused_parameter.UnusedParameter,
         amp_overflow.AmpOverflow,
+        learning_rate.LearningRate,
+        zero_gradient.ZeroGradient,
+        unoptimized_parameter.UnoptimizedParameter,
     ]
     return {cls.kind: cls for cls in classes}
 
@@ -108,6 +115,9 @@ def build(config: Mapping[str, Mapping[str, Any]] | None = None, *, where: str =
             what = (f"detector plugin {kind!r} failed to build" if REGISTRY.get(kind) is not cls
                     else f"detector {kind!r} cannot be built with these settings")
             raise ConfigError(f"{where}.{kind}: {what}: {type(exc).__name__}: {exc}") from exc
+    shared = Causes()  # one cause, one finding: the detectors built together share what they named
+    for detector in out:
+        detector.causes = shared
     return out
 
 

@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from gradwatch.detectors.causes import Causes
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 
@@ -70,6 +71,8 @@ class Detector:
     bounds: ClassVar[Mapping[str, Bound]] = {}
 
     enabled: bool = True
+    #: the root causes named so far by the detectors built together (see :mod:`gradwatch.detectors.causes`)
+    causes: Causes = dataclasses.field(default_factory=Causes, init=False, repr=False, compare=False)
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Findings about one step (called once per step, in step order)."""

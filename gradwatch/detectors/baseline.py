@@ -47,8 +47,9 @@ class Window:
 
     Robust where an EMA is not: a few large values in the history (a noisy phase of training)
     barely move the median or the MAD. Values that a caller rejects (non-finite, flagged) leave
-    a gap instead of entering. The statistics are recomputed every ``refresh`` updates, which
-    keeps the per-step cost to one row write.
+    a gap instead of entering. The statistics are recomputed every ``refresh`` updates (and on
+    each of the first few, so that a young window can judge early), which keeps the per-step
+    cost to one row write.
     """
 
     def __init__(self, size: int, width: int = 1, refresh: int = 10) -> None:
@@ -68,7 +69,7 @@ class Window:
         self.buf[self.filled % self.size] = np.where(keep, x, np.nan)
         self.filled += 1
         self._updates += 1
-        if self._updates >= self.refresh or self.filled <= self.size and self.filled % 5 == 0:
+        if self._updates >= self.refresh or self.filled <= self.size and (self.filled < 5 or self.filled % 5 == 0):
             self.recompute()
 
     def recompute(self) -> None:
@@ -98,3 +99,28 @@ def _nanmedian(rows: np.ndarray, count: np.ndarray) -> np.ndarray:
     last = np.maximum(count - 1, 0)
     median = 0.5 * (ordered[last // 2, cols] + ordered[(last + 1) // 2, cols])
     return np.where(count > 0, median, np.nan)
+
+
+class Recent:
+    """The last ``size`` accepted values per column, whose median is computed only when asked for.
+
+    For a second opinion on the rare flagged value (is it a jump from the short-term level, or a
+    slow trend?): one row write per step, a small sort only for the columns asked about.
+    """
+
+    def __init__(self, size: int, width: int) -> None:
+        self.size = size
+        self.buf = np.full((size, width), np.nan)
+        self.filled = 0
+
+    def update(self, x: np.ndarray, mask: np.ndarray) -> None:
+        """Append one row: ``x`` where ``mask`` and finite, a gap elsewhere."""
+        keep = mask & np.isfinite(x)
+        self.buf[self.filled % self.size] = np.where(keep, x, np.nan)
+        self.filled += 1
+
+    def median(self, cols: np.ndarray, least: int) -> np.ndarray:
+        """The median of each column of ``cols``; NaN for a column with fewer than ``least`` values."""
+        rows = self.buf[: min(self.filled, self.size)][:, cols]
+        count = np.sum(~np.isnan(rows), axis=0)
+        return np.where(count >= least, _nanmedian(rows, count), np.nan)

@@ -16,12 +16,28 @@ HINT = (
     "a large negative bias or a too-high learning rate killed the units: re-initialise the bias, "
     "lower the learning rate, or use LeakyReLU/GELU"
 )
+#: leaves that are not activations and output all zeros when their input is all zeros: when every
+#: output of one is zero, the zeros were made before it (by a functional ReLU, for instance)
+CARRIERS = frozenset({
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout", "Identity",
+    "Flatten", "Unflatten", "Upsample", "PixelShuffle", "PixelUnshuffle", "ZeroPad1d", "ZeroPad2d", "ZeroPad3d",
+    "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d",
+    "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
+    "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+})
 
 
 @dataclass
 class DeadUnits(Detector):
     """A leaf whose fraction of exactly-zero outputs is at least ``threshold`` on ``patience``
     sampled steps in a row (activations are measured on sampled steps).
+
+    The finding names the layer whose units died: when the dead leaf only carries zeros made
+    before it (a ``Dropout``, a pooling or a bias-free ``Conv2d`` after a functional ``F.relu``),
+    that is the nearest leaf before it in model order that still ran with non-zero outputs and
+    gets an exactly-zero gradient: its outputs are all negative and the ReLU after it zeroes them.
+    The layers that get exactly-zero gradients because of it are named in the same finding
+    (``vanishing`` does not report them).
 
     Attributes:
         threshold: fraction of zero outputs that counts as dead.
@@ -36,6 +52,8 @@ class DeadUnits(Detector):
 
     metric = "act_zero_frac"
     hint = HINT
+    #: name the layer that made the zeros rather than a leaf that only carries them
+    attributes = True
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Count consecutive sampled steps at or above the threshold, per leaf."""
@@ -43,18 +61,57 @@ class DeadUnits(Detector):
         if record.skipped or values is None:
             return []
         seen = present(record, "layer", self.metric)
-        out = []
+        out: dict[int, Finding] = {}
         layout = record.layout
         for i in np.flatnonzero(seen):
             key = (layout.version, int(i))
             hit = bool(values[i] >= self.threshold)
             self._runs[key] = self._runs.get(key, 0) + 1 if hit else 0
-            if self._runs[key] == self.patience:
-                name = layout.layers[i]
-                message = self.describe(name, layout.layer_types[i], float(values[i]))
-                out.append(self.finding(record, "warning", name, message, value=float(values[i]),
-                                        data={"hint": self.hint}))
-        return out
+            if self._runs[key] != self.patience:
+                continue
+            cause = self._maker(record, int(i), values, seen) if self.attributes else None
+            at = int(i) if cause is None else cause
+            if at in out:
+                continue  # several leaves carry the zeros of one layer: one finding
+            name, type_ = layout.layers[i], layout.layer_types[i]
+            if cause is None:
+                message = self.describe(name, type_, float(values[i]))
+            else:
+                message = (f"every output of {_layer(layout.layers[at], layout.layer_types[at])} is zeroed by the "
+                           f"ReLU applied after it (a functional F.relu: {values[i]:.1%} of what reaches "
+                           f"{_layer(name, type_)} is exactly zero) on {plural(self.patience, 'sampled step')} in a "
+                           "row, and it gets no gradient: its units are dead.")
+            data: dict[str, object] = {"hint": self.hint}
+            if self.attributes:
+                cut = self._cut_off(record, at)
+                if cut:
+                    message = message[:-1] + f"; no gradient reaches {', '.join(_layer(c) for c in cut[:3])}" + (
+                        f" and {plural(len(cut) - 3, 'more layer')}." if len(cut) > 3 else ".")
+                data.update({"zeroed_in": name if cause is not None else None, "no_gradient": cut[:20]})
+            out[at] = self.finding(record, "warning", layout.layers[at], message, value=float(values[i]), data=data)
+        return list(out.values())
+
+    def _maker(self, record: StepRecord, i: int, values: np.ndarray, seen: np.ndarray) -> int | None:
+        """The leaf whose outputs a functional ReLU zeroed before they reached carrier leaf ``i``, if found."""
+        layout = record.layout
+        grad = record.vector("grad_norm")
+        if layout.layer_types[i] not in CARRIERS or grad is None:
+            return None
+        before = [j for j in layout.leaves if j < i and seen[j]]
+        for j in reversed(before):
+            if values[j] >= self.threshold:
+                continue  # carries the same zeros
+            return j if layout.layer_numel[j] > 0 and grad[j] == 0 else None
+        return None
+
+    @staticmethod
+    def _cut_off(record: StepRecord, at: int) -> list[str]:
+        """Layers other than ``at`` that own parameters and get an exactly-zero gradient."""
+        grad = record.vector("grad_norm")
+        if grad is None:
+            return []
+        numel = record.layout.layer_numel
+        return [name for k, name in enumerate(record.layout.layers) if k != at and numel[k] > 0 and grad[k] == 0]
 
     def describe(self, name: str, type_: str, value: float) -> str:
         """The finding's message."""

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.detectors.baseline import Window
+from gradwatch.detectors.baseline import Recent, Window
+from gradwatch.detectors.causes import EXPLOSION, LR_HIGH
 from gradwatch.findings import Finding
 from gradwatch.records import PRECLIP, StepRecord
 from gradwatch.wording import layer as _layer
@@ -20,6 +21,15 @@ HINT = (
     "clip gradients (gw.Rule(when='exploding', do='clip')), lower the learning rate or add warmup, "
     "and check the initialisation scale of the layer named"
 )
+HINT_OVERFLOW = (
+    "values this large come from an unbounded op (exp of a log-variance, a division by a tiny number, "
+    "unnormalised inputs or targets): bound it (clamp, normalise) and lower the learning rate; clipping "
+    "cannot rescale a norm that does not fit in float32"
+)
+#: values a baseline needs before it judges with its wide early bound
+EARLY = 3
+#: accepted values whose median is the short-term level a jump is measured from
+RECENT = 5
 
 
 @dataclass
@@ -28,8 +38,15 @@ class Exploding(Detector):
 
     The baseline of each norm is the median and spread (1.4826 x MAD) of the logs of its last
     ``window`` healthy values. A norm is flagged when ``log(norm) - median > max(z * spread,
-    log(ratio))`` once ``warmup`` values are in its window, or (the global norm) when it exceeds
-    ``limit``. Flagged and non-finite norms never enter a window.
+    log(ratio))`` once ``warmup`` values are in its window, or ``early_ratio`` times the median
+    before that (from the third value on: a baseline is never blind while it warms up), and it is
+    also ``jump`` times the median of its last 5 healthy values (a slow trend is not an
+    explosion). Flagged and non-finite norms never enter a window.
+
+    A global norm of inf computed from finite gradient elements (their float32 sum of squares
+    overflowed) is an explosion, at severity error, from step 0. ``limit`` is an absolute bound
+    on the global norm, off by default: a bound is not scale-free (a loss summed over a batch
+    gives healthy norms in the thousands).
 
     When the record carries ``grad_norm_preclip`` (the global norm before a framework clipped
     the gradients, e.g. the HF Trainer's ``max_grad_norm``), the global judgement is of that
@@ -39,9 +56,11 @@ class Exploding(Detector):
         z: robust z-score (in log space) beyond which a norm is flagged.
         ratio: a flagged norm is also at least this many times its typical value.
         layer_ratio: the same for a single layer's norm (layers are noisier than the total).
-        limit: the global norm above this is an error whatever its history (0 turns it off).
+        limit: the global norm above this is an error whatever its history (0, the default, turns it off).
         window: healthy steps in a baseline.
-        warmup: values in a baseline before it judges.
+        warmup: values in a baseline before it judges with ``z`` and ``ratio``.
+        early_ratio: before ``warmup`` values, a flagged norm is at least this many times its median.
+        jump: a flagged norm is also at least this many times the median of its last 5 healthy values.
         min_std: floor of the baseline's spread (log space).
     """
 
@@ -50,18 +69,22 @@ class Exploding(Detector):
     z: float = 6.0
     ratio: float = 5.0
     layer_ratio: float = 10.0
-    limit: float = 1e4
+    limit: float = 0.0
     window: int = 50
     warmup: int = 20
+    early_ratio: float = 100.0
+    jump: float = 4.0
     min_std: float = 0.1
     _global: Window = field(init=False, repr=False)
     _layers: Window = field(init=False, repr=False)
     _version: int = field(default=-1, init=False, repr=False)
     _bounds: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
+    _recent: Recent = field(init=False, repr=False)  # the last healthy log norms: the global one, then each layer's
 
     def __post_init__(self) -> None:
         self._global = Window(self.window)
         self._layers = Window(self.window, 0)
+        self._recent = Recent(RECENT, 1)
 
     def _bound(self, win: Window, ratio: float) -> np.ndarray:
         """Log of the largest norm each baseline calls normal (inf while warming up).
@@ -72,7 +95,8 @@ class Exploding(Detector):
         if cached is not None and cached[0] == win.version:
             return cached[1]
         excess = np.maximum(self.z * np.maximum(win.spread, self.min_std), math.log(ratio))
-        bound = np.where(win.ready(self.warmup), win.center + excess, np.inf)
+        early = np.where(win.ready(EARLY), win.center + np.maximum(excess, math.log(self.early_ratio)), np.inf)
+        bound = np.where(win.ready(self.warmup), win.center + excess, early)
         self._bounds[id(win)] = (win.version, bound)
         return bound
 
@@ -93,25 +117,35 @@ class Exploding(Detector):
         layout = record.layout
         if layout.version != self._version:
             self._layers, self._version = Window(self.window, len(layout.layers)), layout.version
+            self._recent = Recent(RECENT, 1 + len(layout.layers))
             self._bounds.clear()  # a new window may reuse the old one's id
         if not math.isfinite(total):
-            return []  # the nonfinite detector's; and nothing enters the baselines
+            # nothing enters the baselines; NaN/Inf elements are the nonfinite detector's
+            return self._overflow(record, total, norms)
         log_total = math.log(total) if total > 0 else -math.inf
-        g_flag = bool(log_total > self._bound(self._global, self.ratio)[0])
-        over = self.limit > 0 and total > self.limit
         values = norms.astype(np.float64)
         logs = np.full(len(values), -np.inf)
         np.log(values, out=logs, where=values > 0)  # zero and NaN norms stay -inf: no baseline value
         valid = np.isfinite(logs)
         lay = self._layers
-        l_flag = valid & (logs > self._bound(lay, self.layer_ratio))
+        flags = np.concatenate([[log_total > self._bound(self._global, self.ratio)[0]],
+                                valid & (logs > self._bound(lay, self.layer_ratio))])
+        both = np.concatenate([[log_total], logs])
+        if flags.any():  # a flag is also a jump from the short-term level, where that level is known
+            cols = np.flatnonzero(flags)
+            level = self._recent.median(cols, EARLY)
+            flags[cols] = ~(both[cols] - level <= math.log(self.jump))  # NaN level (unknown): stays flagged
+        g_flag, l_flag = bool(flags[0]), flags[1:]
+        over = self.limit > 0 and total > self.limit
         center, typical = lay.center, self.typical()  # the baselines that judged (updates may refresh them)
         l_excess = logs - center
         bad = g_flag or over
         self._global.update(log_total, not bad)
         lay.update(logs, valid & ~l_flag & (not bad))
+        self._recent.update(both, np.concatenate([[not bad and total > 0], valid & ~l_flag & (not bad)]))
         if not (bad or l_flag.any()):
             return []
+        self.causes.note(EXPLOSION, record.step)
 
         flagged = np.flatnonzero(l_flag)
         top = int(flagged[np.argmax(l_excess[flagged])]) if len(flagged) else None
@@ -129,4 +163,28 @@ class Exploding(Detector):
             value = float(norms[top])
         data = {"grad_norm": total, "typical": typical, "limit": self.limit if over else None,
                 "layers": [layout.layers[i] for i in flagged[np.argsort(-l_excess[flagged])]][:20], "hint": HINT}
+        if self.causes.named(LR_HIGH, record.step):  # still acted on (clipped), but known to follow from it
+            data["cause"] = "learning_rate"
+            message += " The learning rate was named too high before: lower it."
         return [self.finding(record, "error" if over else "warning", layer, message, value=value, data=data)]
+
+    def _overflow(self, record: StepRecord, total: float, norms: np.ndarray) -> list[Finding]:
+        """A global norm of inf from finite elements: the float32 sum of squares overflowed."""
+        counts = record.vector("grad_nonfinite")
+        if not math.isinf(total) or counts is None or (np.nan_to_num(counts) > 0).any():
+            return []
+        self.causes.note(EXPLOSION, record.step)
+        layout = record.layout
+        inf = np.flatnonzero(np.isinf(norms))
+        top = int(inf[-1]) if len(inf) else None  # backward runs in reverse model order: the first to overflow
+        layer = layout.layers[top] if top is not None else None
+        largest = record.vector("grad_max")
+        biggest = float(np.nanmax(largest)) if largest is not None and np.isfinite(largest).any() else None
+        value = f" (the largest is {biggest:.3g})" if biggest is not None else ""
+        where = f"; first in backward order: {_layer(layer, layout.layer_types[top])}" if top is not None else ""
+        what = "global gradient norm before clipping" if PRECLIP in record.scalars else "global gradient norm"
+        message = (f"{what} overflows float32 (inf) at step {record.step} although every gradient element is "
+                   f"finite{value}: the gradients are astronomically large{where}.")
+        data = {"grad_norm": total, "overflow": True, "largest": biggest,
+                "layers": [layout.layers[i] for i in inf[::-1]][:20], "hint": HINT_OVERFLOW}
+        return [self.finding(record, "error", layer, message, value=total, data=data)]

@@ -1,12 +1,14 @@
-"""Detector ``loss_spike``: the observed loss far above its own recent history."""
+"""Detector ``loss_spike``: the observed loss far above its own recent history, or diverging from its first values."""
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.detectors.baseline import Ema
+from gradwatch.detectors.baseline import Window
+from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 
@@ -14,52 +16,138 @@ HINT = (
     "look at the batch of this step (corrupted samples or labels), lower the learning rate, "
     "or clip gradients; a spike that recurs at the same data position points at the data"
 )
+HINT_DIVERGE = (
+    "lower the learning rate (by 10x to start with) or add a warmup; if it diverges whatever the learning "
+    "rate, check the loss and the labels (a sign error, targets on another scale)"
+)
+
+#: losses whose median is the current level of the loss (a single spike does not move it)
+LEVEL = 3
 
 
 @dataclass
 class LossSpike(Detector):
-    """The loss (observed with ``watcher.observe(loss=...)``) against an EMA of its history.
+    """The loss (observed with ``watcher.observe(loss=...)``) against its own history.
 
-    Flagged when ``loss - mean > max(z * std, ratio * |mean|)`` once ``warmup`` losses have
-    entered the baseline. Flagged and non-finite losses never enter it. A run of flagged steps
-    is one spike, reported at its first step; a loss that stays high for ``adapt_after``
-    steps is a new level, and the baseline follows it from then on.
+    A spike: ``log(loss) - median > max(z * spread, log(1 + ratio))``, the median and spread
+    (1.4826 x MAD) of the logs of the last ``window`` healthy losses, once ``warmup`` losses are
+    in it (a loss that was ever zero or negative is judged as it is: ``loss - median > max(z *
+    spread, ratio * |median|)``). A run of spike steps is one spike, reported at its first step;
+    a loss that stays high for ``adapt_after`` steps is a new level, which the window then accepts.
+
+    A divergence, judged from the fourth step on (no other history needed): the loss level, the
+    median of the last 3 losses, above ``diverge`` times the median of the first ``start``
+    losses (more when those first losses are noisy: ``1 + 2 x`` their range over their median).
+    A high loss level within ``adapt_after`` steps of a reported spike is that spike's. Not
+    judged for a loss that was ever zero or negative (a policy-gradient loss has no scale to
+    diverge from). It names a learning rate that is too high, unless the ``learning_rate``
+    detector already did.
+    Losses of a spike or a divergence never enter a baseline.
 
     Attributes:
-        z: z-score beyond which a loss is flagged.
-        ratio: a flagged loss also exceeds the mean by at least this fraction of it.
-        beta: EMA decay of the baseline.
-        warmup: losses in the baseline before it judges.
-        adapt_after: consecutive flagged steps after which the baseline accepts the new level.
+        z: robust z-score (of the log loss) beyond which a loss is a spike.
+        ratio: a spike also exceeds the median by at least this fraction of it.
+        window: healthy losses in the spike baseline.
+        warmup: losses in the window before spikes are judged.
+        adapt_after: consecutive spike steps after which the window accepts the new level.
+        diverge: loss level above this many times the first losses is a divergence.
+        start: first losses that make the divergence baseline.
     """
 
     kind = "loss_spike"
-    bounds = {"beta": Bound(0, 1, open_high=True), "warmup": Bound(1)}
+    bounds = {"window": Bound(1, 10_000), "warmup": Bound(1, "window"), "diverge": Bound(1, open_low=True),
+              "start": Bound(1)}
     z: float = 6.0
     ratio: float = 1.0
-    beta: float = 0.98
-    warmup: int = 20
+    window: int = 50
+    warmup: int = 10
     adapt_after: int = 20
-    _ema: Ema = field(init=False, repr=False)
+    diverge: float = 1.5
+    start: int = 3
+    _win: Window = field(init=False, repr=False)
+    _first: list[float] = field(default_factory=list, init=False, repr=False)
+    _recent: deque[float] = field(default_factory=lambda: deque(maxlen=LEVEL), init=False, repr=False)
     _run: int = field(default=0, init=False, repr=False)
+    _diverged: bool = field(default=False, init=False, repr=False)
+    _signed: bool = field(default=False, init=False, repr=False)
+    _spiked: int = field(default=-(10**9), init=False, repr=False)  # step of the last reported spike
 
     def __post_init__(self) -> None:
-        self._ema = Ema(self.beta)
+        self._win = Window(self.window)
 
     def check(self, record: StepRecord) -> list[Finding]:
-        """Judge the step's loss, then fold it in if it was not flagged."""
+        """Judge the step's loss, then fold it in if it was neither a spike nor a divergence."""
         loss = record.scalars.get("loss")
         if loss is None or not math.isfinite(loss):
             return []
-        ema = self._ema
-        mean, std = ema.mean, ema.std()
-        flagged = ema.ready(self.warmup) and loss - mean > max(self.z * std, self.ratio * abs(mean))
-        self._run = self._run + 1 if flagged else 0
-        if not flagged or self._run > self.adapt_after:
-            ema.update(loss)
-        if self._run != 1:
+        self._recent.append(loss)
+        if loss <= 0 and not self._signed:  # no scale to diverge from; spikes are judged on the loss itself
+            self._signed, self._win = True, Window(self.window)
+        level, base = self._divergence()
+        spike, median, spread = self._spike(loss)
+        self._run = self._run + 1 if spike else 0
+        # a high level soon after a reported spike is that spike's doing (a corrupted batch wrecked the model)
+        diverging = level is not None and not 0 <= record.step - self._spiked <= self.adapt_after
+        if not diverging and (not spike or self._run > self.adapt_after):
+            self._win.update(loss if self._signed else math.log(loss))
+        if not (diverging or spike) and len(self._first) < self.start:
+            self._first.append(loss)
+        if not diverging:
+            self._diverged = False
+        if diverging and not self._diverged:
+            self._diverged = True
+            return self._report_divergence(record, loss, level, base)
+        if not spike or self._run != 1 or diverging:
             return []
-        zscore = (loss - mean) / max(std, 1e-12)
-        message = f"loss {loss:.4g} at step {record.step} is {zscore:.3g} std above its recent mean {mean:.4g}."
+        self._spiked = record.step
+        if self._signed:
+            zscore = (loss - median) / max(spread, 1e-12)
+            how = f"{zscore:.3g} std above its recent median {median:.4g}"
+        else:
+            how = f"{loss / median:.3g}x its recent median {median:.4g}"
+        message = f"loss {loss:.4g} at step {record.step} is {how}."
         return [self.finding(record, "warning", None, message, value=loss,
-                             data={"loss": loss, "mean": mean, "std": std, "hint": HINT})]
+                             data={"loss": loss, "median": median, "spread": spread, "hint": HINT})]
+
+    def _spike(self, loss: float) -> tuple[bool, float, float]:
+        """Whether ``loss`` is a spike, and the window's median and spread (of the loss itself).
+
+        A positive loss is judged in log space (a loss near its floor moves by factors, not by
+        amounts): a spike is ``log(loss) - median > max(z * spread, log(1 + ratio))``.
+        """
+        win = self._win
+        center, spread = float(win.center[0]), float(win.spread[0])
+        if not win.ready(self.warmup)[0]:
+            return False, math.nan, math.nan
+        if self._signed:
+            return loss - center > max(self.z * spread, self.ratio * abs(center)), center, spread
+        spike = math.log(loss) - center > max(self.z * spread, math.log1p(self.ratio))
+        return spike, math.exp(center), math.exp(center) * math.expm1(spread)
+
+    def _divergence(self) -> tuple[float | None, float]:
+        """The loss level when it has diverged from the first losses (else None), and their median."""
+        first = self._first
+        if len(first) < self.start or self._signed or len(self._recent) < LEVEL:
+            return None, math.nan
+        base = _median(first)
+        limit = base * max(self.diverge, 1.0 + 2.0 * (max(first) - min(first)) / base)
+        level = _median(list(self._recent))
+        return (level if level > limit else None), base
+
+    def _report_divergence(self, record: StepRecord, loss: float, level: float | None, base: float) -> list[Finding]:
+        assert level is not None
+        if self.causes.named(LR_HIGH, record.step):
+            return []  # one cause, one finding: the learning rate was already named
+        self.causes.note(LR_HIGH, record.step)
+        message = (f"loss {level:.4g} at step {record.step} (median of the last {LEVEL}) is {level / base:.3g}x its "
+                   f"first values ({base:.4g}): training is diverging; the learning rate is likely too high: lower "
+                   "it or add warmup.")
+        data = {"loss": loss, "level": level, "first": base, "divergence": True, "cause": "learning_rate",
+                "hint": HINT_DIVERGE}
+        return [self.finding(record, "warning", None, message, value=loss, data=data)]
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])

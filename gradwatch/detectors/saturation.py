@@ -30,6 +30,7 @@ class Saturation(DeadUnits):
 
     metric = "act_sat_frac"
     hint = HINT
+    attributes = False
 
     def describe(self, name: str, type_: str, value: float) -> str:
         """The finding's message."""

@@ -8,7 +8,7 @@ import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
-from gradwatch.records import PARAM, StepRecord
+from gradwatch.records import PARAM, Layout, StepRecord
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 
@@ -22,7 +22,13 @@ HINT = (
 @dataclass
 class UnusedParameter(Detector):
     """Parameters that require grad and received no gradient in the first ``patience`` steps
-    of a layout; one finding per layer that owns them.
+    of a layout.
+
+    One root cause, one finding: the layers that own them are grouped by where they sit in the
+    model. A module all of whose parameter-owning layers are unused (two or more) is reported
+    once under its own path (a submodule that forward never calls); unused layers side by side in
+    one module that has used ones too are one finding under that module (a dropped branch, e.g. a
+    residual block whose forward forgot ``out += ...``); a lone unused layer is reported by name.
 
     Attributes:
         patience: steps without a gradient before it is reported.
@@ -52,11 +58,68 @@ class UnusedParameter(Detector):
         for p in unused:
             by_layer.setdefault(layout.owner(int(p)), []).append(layout.params[p])
         out = []
-        for layer, params in by_layer.items():
+        for where, layers in group(layout, list(by_layer)):
+            params = [p for layer in layers for p in by_layer[layer]]
             numel = sum(layout.param_numel[layout.params.index(n)] for n in params)
-            verb = "requires" if len(params) == 1 else "require"
-            message = (f"{', '.join(_layer(p) for p in params)} ({plural(numel, 'element')}) {verb} grad but received "
-                       f"no gradient in {plural(self.patience, 'step')}.")
-            out.append(self.finding(record, "warning", layer, message, value=float(len(params)),
-                                    data={"parameters": params, "hint": HINT}))
+            if len(layers) == 1:
+                verb = "requires" if len(params) == 1 else "require"
+                message = (f"{', '.join(_layer(p) for p in params)} ({plural(numel, 'element')}) {verb} grad but "
+                           f"received no gradient in {plural(self.patience, 'step')}.")
+            elif _owning(layout, where) == set(layers):
+                message = (f"no parameter of {_layer(where)} ({', '.join(_short(where, x) for x in layers)}: "
+                           f"{plural(len(params), 'parameter')}, {plural(numel, 'element')}) received a gradient in "
+                           f"{plural(self.patience, 'step')} although they require grad: it is not on the path "
+                           "to the loss.")
+            else:
+                message = (f"a branch of {_layer(where)} ({', '.join(_short(where, x) for x in layers)}: "
+                           f"{plural(len(params), 'parameter')}, {plural(numel, 'element')}) received no gradient "
+                           f"in {plural(self.patience, 'step')} although it requires grad: its output does not "
+                           "reach the loss.")
+            out.append(self.finding(record, "warning", where, message, value=float(len(params)),
+                                    data={"parameters": params, "layers": layers, "hint": HINT}))
         return out
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _short(where: str, layer: str) -> str:
+    return layer[len(where) + 1:] if layer.startswith(where + ".") else layer
+
+
+def _owning(layout: Layout, prefix: str) -> set[str]:
+    """The parameter-owning layers at or under a module path."""
+    return {name for name, numel in zip(layout.layers, layout.layer_numel)
+            if numel > 0 and (name == prefix or name.startswith(prefix + "."))}
+
+
+def group(layout: Layout, layers: list[str]) -> list[tuple[str, list[str]]]:
+    """Layers (module paths) grouped by where they sit: ``(module path, its layers)`` in model order.
+
+    Two or more layers that are all the parameter-owning layers of a module become that module
+    (repeatedly, upwards); two or more side by side in a module (not the model itself) become
+    one group under it; any other layer is a group of its own.
+    """
+    groups: dict[str, list[str]] = {layer: [layer] for layer in layers}
+    merged = True
+    while merged:
+        merged = False
+        by_parent: dict[str, list[str]] = {}
+        for key in groups:
+            by_parent.setdefault(_parent(key), []).append(key)
+        for parent, keys in by_parent.items():
+            covered = [layer for key in keys for layer in groups[key]]
+            if parent and len(keys) >= 2 and _owning(layout, parent) == set(covered):
+                for key in keys:
+                    del groups[key]
+                groups[parent] = covered
+                merged = True
+                break
+    out: dict[str, list[str]] = {}
+    for key, members in groups.items():
+        parent = _parent(key)
+        siblings = [k for k in groups if _parent(k) == parent]
+        out.setdefault(parent if parent and len(siblings) >= 2 else key, []).extend(members)
+    order = {name: i for i, name in enumerate(layout.layers)}
+    return sorted(((k, sorted(v, key=order.__getitem__)) for k, v in out.items()), key=lambda kv: order[kv[1][0]])

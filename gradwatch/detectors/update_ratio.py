@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
+from gradwatch.detectors.causes import LR_LOW
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 from gradwatch.wording import layer as _layer
@@ -53,7 +54,7 @@ class UpdateRatio(Detector):
         for i in np.flatnonzero(np.isfinite(ratio) & np.isfinite(grad)):
             key, r = (layout.version, int(i)), float(ratio[i])
             high = r > self.high
-            low = r < self.low and grad[i] > 0 and lr != 0
+            low = 0 < r < self.low and grad[i] > 0 and lr != 0  # exactly 0: unoptimized_parameter's
             self._high[key] = self._high.get(key, 0) + 1 if high else 0
             self._low[key] = self._low.get(key, 0) + 1 if low else 0
             name, type_ = layout.layers[i], layout.layer_types[i]
@@ -61,9 +62,8 @@ class UpdateRatio(Detector):
                 message = (f"update of {_layer(name, type_)} is {r:.3g}x its weights' norm at step {record.step}: "
                            "too large.")
                 out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_HIGH}))
-            if self._low[key] == self.patience_low:
-                size = "exactly 0 (its weights did not change)" if r == 0 else f"only {r:.3g}x its weights' norm"
-                message = (f"update of {_layer(name, type_)} is {size} at step {record.step}, although it has a "
-                           "gradient: it does not learn.")
+            if self._low[key] == self.patience_low and not self.causes.named(LR_LOW, record.step):
+                message = (f"update of {_layer(name, type_)} is only {r:.3g}x its weights' norm at step "
+                           f"{record.step}, although it has a gradient: it does not learn.")
                 out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_LOW}))
         return out

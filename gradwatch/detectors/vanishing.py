@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
+from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 from gradwatch.wording import layer as _layer
@@ -16,12 +17,26 @@ HINT = (
     "use a non-saturating activation (ReLU/GELU) instead of sigmoid/tanh in deep stacks, a scaled "
     "initialisation (He/Xavier), normalisation layers or residual connections"
 )
+HINT_ZERO = (
+    "something after this layer passes no gradient back: a ReLU (often a functional F.relu) that zeroes "
+    "all of its outputs, a multiplication by zero, a mask, or a .detach() on one of two paths"
+)
+#: a leaf with at least this fraction of exactly-zero outputs is dead (as ``dead_units`` judges it)
+DEAD = 0.99
 
 
 @dataclass
 class Vanishing(Detector):
     """A layer whose gradient RMS (norm / sqrt(numel)) stays below ``absolute``, or below
     ``relative`` times the median RMS of the layers, for ``patience`` steps in a row.
+
+    One root cause, one finding: layers whose gradients are exactly zero (not small: no gradient
+    flows back to them) are one finding, at the last of them in model order (the cut is after
+    it); a gradient that is exactly zero while a leaf of the model is dead (its outputs all zero
+    on the latest sampled step) is a consequence that ``dead_units`` reports, and so is any
+    small gradient within 100 steps of a too-high learning rate named by another detector (it
+    saturates and kills units); a step whose gradients are all exactly zero is ``zero_gradient``'s, and one whose
+    gradient norm overflows is ``exploding``'s.
 
     Attributes:
         absolute: RMS below this is negligible whatever the other layers do.
@@ -38,6 +53,7 @@ class Vanishing(Detector):
     _version: int = field(default=-1, init=False, repr=False)
     _scale: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)  # 1/sqrt(numel)
     _sized: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), init=False, repr=False)
+    _dead: bool = field(default=False, init=False, repr=False)  # a leaf was dead on the latest sampled step
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Count consecutive negligible steps per layer; report a layer when it reaches patience."""
@@ -52,22 +68,43 @@ class Vanishing(Detector):
         bad = record.vector("grad_nonfinite")
         if bad is not None and (bad > 0).any():
             return []  # a non-finite step is the nonfinite detector's
+        zeros = record.vector("act_zero_frac")
+        if zeros is not None:
+            self._dead = bool((zeros >= DEAD).any())  # NaN (leaf not called) compares False
         rms = norm.astype(np.float64) * self._scale
+        if np.isinf(rms).any():
+            return []  # an overflowing gradient norm is the exploding detector's
         has = np.isfinite(rms) & self._sized
         positive = rms[has & (rms > 0)]
-        median = _median(positive) if len(positive) else 0.0
-        # below `absolute`, or below `relative` x the median (everything, when the median is 0)
-        limit = max(self.absolute, self.relative * median) if median > 0 else np.inf
-        small = has & (rms < limit)
+        if not len(positive):
+            self._runs[:] = 0  # every gradient exactly zero: the zero_gradient detector's
+            return []
+        median = _median(positive)
+        small = has & (rms < max(self.absolute, self.relative * median))
+        if self.causes.named(LR_HIGH, record.step):
+            small[:] = False  # a too-high learning rate saturates and kills units: its consequences
+        elif self._dead:
+            small &= rms > 0  # exactly zero behind dead units: their consequence
         self._runs = np.where(small, self._runs + 1, self._runs * ~has)  # a layer without a gradient keeps its count
         out = []
-        for i in np.flatnonzero(small & (self._runs == self.patience)):
-            name, ratio = layout.layers[i], rms[i] / median if median > 0 else 0.0
-            message = (
-                f"gradient of {_layer(name, layout.layer_types[i])} has vanished for "
-                f"{plural(self.patience, 'step')}: RMS "
-                f"{rms[i]:.3g}, {ratio:.2g}x the median layer's {median:.3g}."
-            )
+        due = np.flatnonzero(small & (self._runs == self.patience))
+        zero = due[rms[due] == 0]
+        if len(zero):  # one cut in the graph, one finding: at the last of them in model order
+            i = int(zero[-1])
+            names = [layout.layers[k] for k in zero]
+            name, others = names[-1], len(names) - 1
+            more = f" (and {plural(others, 'layer')} before it)" if others else ""
+            message = (f"gradient of {_layer(name, layout.layer_types[i])}{more} has been exactly zero for "
+                       f"{plural(self.patience, 'step')} while the median layer's RMS is {median:.3g}: no gradient "
+                       "flows back past it.")
+            out.append(self.finding(record, "warning", name, message, value=0.0,
+                                    data={"rms": 0.0, "median_rms": median, "layers": names[::-1][:20],
+                                          "hint": HINT_ZERO}))
+        for i in due[rms[due] > 0]:
+            name, ratio = layout.layers[i], rms[i] / median
+            message = (f"gradient of {_layer(name, layout.layer_types[i])} has vanished for "
+                       f"{plural(self.patience, 'step')}: RMS {rms[i]:.3g}, {ratio:.2g}x the median layer's "
+                       f"{median:.3g}.")
             out.append(self.finding(record, "warning", name, message, value=float(ratio),
                                     data={"rms": float(rms[i]), "median_rms": median, "hint": HINT}))
         return out

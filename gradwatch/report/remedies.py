@@ -62,12 +62,17 @@ KINDS: dict[str, Kind] = {
             "Check the batch of this step: unnormalised or corrupted inputs and targets cause sudden spikes.",
             "Check the initialisation scale of the layer named (weights too large), especially in RNNs.",
             "Add normalisation layers; for RNNs prefer LSTM/GRU and clip.",
+            "A norm of inf from finite gradients (their float32 sum of squares overflowed) comes from an unbounded "
+            "op: exp of a log-variance, a division by a tiny number, unnormalised inputs. Bound it (clamp, "
+            "normalise); clipping cannot rescale a norm that does not fit in float32.",
         ),
     ),
     "loss_spike": Kind(
         "Loss spike",
-        "The loss rose far above its recent level in one step.",
+        "The loss rose far above its recent level in one step, or it diverges: its level is well above its own "
+        "first values.",
         (
+            "Diverging from the first steps: the learning rate is too high; lower it or add warmup.",
             "Inspect the batch of this step: corrupted samples, wrong labels or a scaling bug in the data pipeline.",
             "Lower the learning rate, or add warmup if the spike comes early.",
             "Clip gradients so one bad batch cannot move the weights far.",
@@ -83,6 +88,8 @@ KINDS: dict[str, Kind] = {
             "Lower the learning rate: a large step can push ReLU inputs permanently negative.",
             "Use LeakyReLU, GELU or ELU instead of ReLU so negative inputs still pass a gradient.",
             "Initialise biases at zero or a small positive value instead of a large negative one.",
+            "A layer named with 'zeroed by the ReLU applied after it' feeds a functional F.relu: all of its outputs "
+            "are negative (a BatchNorm or Linear bias driven far below zero).",
             "Add normalisation before the activation to keep its inputs centred.",
         ),
         metric="act_zero_frac",
@@ -116,6 +123,8 @@ KINDS: dict[str, Kind] = {
         (
             "Check that the submodule's forward is actually called in the model's forward.",
             "Look for a .detach(), .item(), .numpy() or torch.no_grad() that cuts the graph.",
+            "A residual block whose forward replaced its output with the shortcut (out = shortcut(x) instead of "
+            "out += shortcut(x)) leaves its whole branch without gradients: the finding names the block.",
             "A branch that is never taken leaves its parameters unused; if intended, freeze them "
             "(requires_grad_(False)) so DDP and optimizers do not wait for them.",
         ),
@@ -129,6 +138,47 @@ KINDS: dict[str, Kind] = {
             "Train in bf16 (wider range than fp16) if the hardware supports it.",
             "Lower the learning rate or clip gradients (after scaler.unscale_) if the overflow follows a spike.",
         ),
+    ),
+    "learning_rate": Kind(
+        "Learning rate",
+        "The learning rate does not fit the model: its updates rewrite a large fraction of the weights (or make "
+        "them grow geometrically, or the loss diverge from its first values), or they barely move the weights at "
+        "all. Healthy updates are about 1e-3 of the weights.",
+        (
+            "Too high: lower it (by 10x to start with) and add a warmup; with Adam-type optimizers the first steps "
+            "move every weight by about lr, so lr must be well below the weights' typical size.",
+            "Too high only for some layers: give them their own param group with a smaller lr (embeddings, "
+            "layers initialised very small such as zero-init or 1/sqrt(depth)-scaled projections).",
+            "Too low: raise it; check its units and the scheduler (a warmup that never ends, a lambda that "
+            "multiplies by a tiny factor, an lr tuned for a summed loss used with an averaged one).",
+            "Let gradwatch act meanwhile: gw.Rule(when='learning_rate', do='scale_lr', factor=0.1).",
+        ),
+        metric="update_ratio",
+    ),
+    "zero_gradient": Kind(
+        "Zero gradient",
+        "Every gradient of the step is exactly zero, so no parameter learns anything.",
+        (
+            "clip_grad_norm_(..., max_norm=0) scales every gradient to zero: 0 does not mean 'no clipping'. "
+            "Skip the call to train unclipped, or pass a positive max_norm.",
+            "A loss that does not depend on the parameters: a .detach() or torch.no_grad() around the model's "
+            "output, or a loss multiplied by 0 (a weight schedule that starts at 0).",
+            "Gradients zeroed (zero_grad, a hook) between backward() and optimizer.step().",
+        ),
+    ),
+    "unoptimized_parameter": Kind(
+        "Parameter not optimized",
+        "The parameter requires grad and gets gradients, but no optimizer changes it: it is in none of the "
+        "optimizers' param groups, or its param group's learning rate is 0.",
+        (
+            "Build the optimizer from model.parameters(), or check the name filters that split parameters into "
+            "groups (decay / no decay): a parameter that matches neither is silently dropped.",
+            "Parameters added to the model after the optimizer was built must be added to it too "
+            "(optimizer.add_param_group).",
+            "A param group with lr=0 (often meant as weight_decay=0) freezes its parameters; if they are meant to "
+            "be frozen, requires_grad_(False) says so and saves their gradients.",
+        ),
+        metric="update_ratio",
     ),
     "replica_divergence": Kind(
         "Replicas diverged",

@@ -49,7 +49,7 @@ class Config:
     # plants
     lr_scale: float = 1.0  # the learning rate actually used is learning_rate * lr_scale
     clip_always: bool = False  # calls clip_grad_norm_(..., grad_clip) even when grad_clip == 0
-    pad_at: int | None = None  # from this iteration on, batches are left-padded with a key padding mask
+    pad_at: int | None = None  # this iteration's first batch holds a left-padded sample with a key padding mask
     left_out: str | None = None  # configure_optimizers forgets the parameters whose name ends with this
     # gradwatch
     run: Path | None = None
@@ -167,7 +167,7 @@ def markov_chain(vocab: int, seed: int) -> torch.Tensor:
 
 
 def get_batch(cfg: Config, it: int, micro: int, chain: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A batch of sequences from the chain; from ``cfg.pad_at`` on, left-padded ones with their mask."""
+    """A batch of sequences from the chain; at iteration ``cfg.pad_at``, one left-padded sample and the mask."""
     g = torch.Generator().manual_seed(1_000 * it + micro)
     seq = torch.empty(cfg.batch_size, cfg.block_size + 1, dtype=torch.long)
     seq[:, 0] = torch.randint(1, cfg.vocab_size, (cfg.batch_size,), generator=g)
@@ -175,7 +175,7 @@ def get_batch(cfg: Config, it: int, micro: int, chain: torch.Tensor) -> tuple[to
     for t in range(cfg.block_size):
         seq[:, t + 1] = chain[seq[:, t], choice[:, t]]
     x, y = seq[:, :-1].clone(), seq[:, 1:].clone()
-    if cfg.pad_at is None or it < cfg.pad_at:
+    if it != cfg.pad_at or micro != 0:
         return x, y, None
     # a shorter sample left-padded to the block size, with a key padding mask: position 0
     # of that sample is padding, so its first query has nothing it may attend to

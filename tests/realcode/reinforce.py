@@ -119,14 +119,14 @@ def train(cfg: Config) -> Result:
     losses, lengths = [], []
     try:
         for _episode in range(cfg.episodes):
-            state, t = env.reset(), 0
-            for t in range(1, cfg.max_t + 1):
+            state = env.reset()
+            for _t in range(cfg.max_t):
                 action = select_action(policy, state)
                 state, reward, done = env.step(action)
                 policy.rewards.append(reward)
                 if done:
                     break
-            lengths.append(t)
+            lengths.append(len(policy.rewards))
             losses.append(finish_episode(policy, optimizer, cfg.gamma, observe))
     finally:
         detach(policy, cfg.run)

@@ -1,0 +1,160 @@
+"""Detector ``learning_rate``: a learning rate far too high or far too low, judged from the first sampled step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradwatch.detectors.base import Detector
+from gradwatch.detectors.causes import EXPLOSION, LR_HIGH, LR_LOW
+from gradwatch.findings import Finding
+from gradwatch.records import PARAM, StepRecord
+
+HINT_HIGH = (
+    "lower the learning rate (by 10x to start with) or add a warmup; with Adam-type optimizers the first "
+    "steps move every weight by about lr, so lr must be well below the weights' typical size "
+    "(0.02 in a GPT-style initialisation)"
+)
+HINT_LOW = (
+    "raise the learning rate (check its units and the scheduler: a warmup that never ends, a "
+    "lambda that multiplies by a tiny factor, or lr meant for a loss summed instead of averaged)"
+)
+
+
+@dataclass
+class LearningRate(Detector):
+    """The learning rate judged by what its updates do to the weights, with scale-free priors that
+    hold for any model (no history, so nothing to warm up: the first sampled step is judged).
+
+    Too high, on a sampled step: the update-to-weight ratio (||delta w|| / ||w||) of the layers
+    holding half of the model's parameters is at least ``high_median`` (the median layer, each
+    counted by its number of parameters: a small output layer that rescales itself on the
+    first steps does not count for much) and the largest one is at least ``high`` (healthy runs:
+    about 1e-3, a few 1e-2 in the first Adam steps without warmup); or the weights grow
+    geometrically: the model's parameter norm grew at least ``growth`` times per 10 steps since
+    the previous sampled step. A large update on a step whose gradient exploded (``exploding``)
+    is that explosion's consequence, not the learning rate's.
+
+    Too low: every layer's update is below ``low`` of its weights on ``patience_low`` sampled
+    steps in a row (steps where nothing moved, e.g. a warmup starting at lr 0, and steps whose
+    learning rate was decayed below a tenth of its largest value do not count).
+
+    A learning rate already named too high (by this detector or by ``loss_spike``'s divergence)
+    is not named again for 100 steps.
+
+    Attributes:
+        high: the largest layer's update ratio, at least, for a too-high learning rate.
+        high_median: the median layer's update ratio (weighted by parameters), at least, for a too-high one.
+        growth: parameter-norm growth per 10 steps that is geometric (too-high learning rate).
+        low: every layer's update ratio below this is a too-low learning rate.
+        patience_low: consecutive sampled steps for a too-low learning rate.
+    """
+
+    kind = "learning_rate"
+    late = True
+    high: float = 0.5
+    high_median: float = 0.2
+    growth: float = 2.0
+    low: float = 1e-5
+    patience_low: int = 2
+    _version: int = field(default=-1, init=False, repr=False)
+    _prev: tuple[int, float, np.ndarray] | None = field(default=None, init=False, repr=False)
+    _low_run: int = field(default=0, init=False, repr=False)
+    _top_lr: float = field(default=0.0, init=False, repr=False)
+
+    def check(self, record: StepRecord) -> list[Finding]:
+        """Judge a sampled step's update ratios and parameter norms."""
+        ratio = record.vector("update_ratio")
+        weights = record.vector("param_norm")
+        bad = record.vector("grad_nonfinite")
+        if record.skipped or ratio is None or weights is None or (bad is not None and (bad > 0).any()):
+            return []
+        layout = record.layout
+        if layout.version != self._version:
+            self._version, self._prev, self._low_run = layout.version, None, 0
+        lr = record.scalars.get("lr")
+        if lr is not None and math.isfinite(lr):
+            self._top_lr = max(self._top_lr, lr)
+        ratio = ratio.astype(np.float64)
+        measured = np.isfinite(ratio) & np.isfinite(weights) & (weights > 0)
+        moving = measured & (ratio > 0)
+        out = self._growth(record, weights)
+        if moving.any():
+            out += self._high(record, ratio, moving, lr)
+            decayed = lr is not None and lr < 0.1 * self._top_lr
+            if not decayed:
+                out += self._low(record, ratio, moving, lr)
+        return out[:1]  # one cause, one finding
+
+    def _named(self, record: StepRecord) -> bool:
+        return self.causes.named(LR_HIGH, record.step)
+
+    def _high(self, record: StepRecord, ratio: np.ndarray, moving: np.ndarray, lr: float | None) -> list[Finding]:
+        idx = np.flatnonzero(moving)
+        median = _weighted_median(ratio[idx], np.asarray(record.layout.layer_numel, dtype=np.float64)[idx])
+        top = int(idx[np.argmax(ratio[idx])])
+        largest = float(ratio[top])
+        if median < self.high_median or largest < self.high or self._named(record):
+            return []
+        if self.causes.named(EXPLOSION, record.step, within=0):
+            return []  # the gradient exploded on this step: its large update is the explosion's consequence
+        self.causes.note(LR_HIGH, record.step)
+        name, type_ = record.layout.layers[top], record.layout.layer_types[top]
+        message = (f"learning rate too high for {name} ({type_}): update is {largest:.2g}x the weights at step "
+                   f"{record.step} (half the weights move by {median:.2g}x or more; healthy runs: ~1e-3); lower "
+                   "it or add warmup.")
+        data = {"direction": "high", "evidence": "update_ratio", "update_ratio": largest, "median": median,
+                "lr": lr, "cause": "learning_rate", "hint": HINT_HIGH}
+        return [self.finding(record, "warning", name, message, value=largest, data=data)]
+
+    def _growth(self, record: StepRecord, weights: np.ndarray) -> list[Finding]:
+        """Parameter norms growing geometrically since the previous sampled step."""
+        params = record.vector("param_norm", PARAM)
+        if params is None:
+            return []
+        finite = params[np.isfinite(params)].astype(np.float64)
+        total = float(np.sqrt(np.sum(finite * finite))) if len(finite) else math.nan
+        prev, layers = self._prev, weights.astype(np.float64)
+        self._prev = (record.step, total, layers) if math.isfinite(total) and total > 0 else None
+        if prev is None or self._prev is None or record.step <= prev[0]:
+            return []
+        steps, factor = record.step - prev[0], total / prev[1]
+        if factor < 1.25 or factor ** (10.0 / steps) < self.growth or self._named(record):
+            return []
+        if self.causes.named(EXPLOSION, record.step, within=steps - 1):
+            return []  # an explosion since the previous sampled step made the weights jump
+        with np.errstate(invalid="ignore", divide="ignore"):
+            grew = np.where((prev[2] > 0) & np.isfinite(prev[2]) & np.isfinite(layers), layers / prev[2], -np.inf)
+        top = int(np.argmax(grew))
+        self.causes.note(LR_HIGH, record.step)
+        name, type_ = record.layout.layers[top], record.layout.layer_types[top]
+        message = (f"learning rate too high for {name} ({type_}): its weights grew {grew[top]:.3g}x in {steps} "
+                   f"steps up to step {record.step} (the whole model's {factor:.3g}x; healthy runs change by a "
+                   "few %); lower it or add warmup.")
+        data = {"direction": "high", "evidence": "weight_growth", "growth": factor, "layer_growth": float(grew[top]),
+                "steps": steps, "lr": record.scalars.get("lr"), "cause": "learning_rate", "hint": HINT_HIGH}
+        return [self.finding(record, "warning", name, message, value=factor, data=data)]
+
+    def _low(self, record: StepRecord, ratio: np.ndarray, moving: np.ndarray, lr: float | None) -> list[Finding]:
+        largest = float(np.max(ratio[moving]))
+        self._low_run = self._low_run + 1 if largest < self.low else 0
+        if self._low_run != self.patience_low:
+            return []
+        self.causes.note(LR_LOW, record.step)
+        median = float(np.median(ratio[moving]))
+        at = f" (lr {lr:.3g})" if lr is not None else ""
+        message = (f"learning rate too low{at}: the largest update is {largest:.2g}x its layer's weights (median "
+                   f"layer {median:.2g}x; healthy runs: ~1e-3) on {self.patience_low} sampled steps in a row up to "
+                   f"step {record.step}: training barely moves; raise it.")
+        data = {"direction": "low", "evidence": "update_ratio", "update_ratio": largest, "median": median, "lr": lr,
+                "cause": "learning_rate", "hint": HINT_LOW}
+        return [self.finding(record, "warning", None, message, value=largest, data=data)]
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """The value that half of the total weight is at or above (each layer counted by its parameters)."""
+    order = np.argsort(values)
+    cum = np.cumsum(weights[order])
+    return float(values[order][min(int(np.searchsorted(cum, 0.5 * cum[-1])), len(cum) - 1)])

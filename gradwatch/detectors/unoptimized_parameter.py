@@ -1,0 +1,103 @@
+"""Detector ``unoptimized_parameter``: a parameter that gets gradients but that no optimizer updates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradwatch.detectors.base import Detector
+from gradwatch.findings import Finding
+from gradwatch.records import PARAM, StepRecord
+from gradwatch.wording import layer as _layer
+from gradwatch.wording import plural
+
+HINT_HELD = (
+    "build the optimizer from model.parameters() (or check the name filters that split the parameters "
+    "into groups: one that matches neither group drops the parameter); if it is meant to stay fixed, "
+    "requires_grad_(False) saves its gradient"
+)
+HINT_ZERO = (
+    "if it is meant to be frozen, requires_grad_(False) says so and saves its gradient; otherwise check its "
+    "param group: a learning rate of 0 (a typo for weight_decay=0?), or a scheduler lambda that returns 0"
+)
+#: the median update ratio below which an update of exactly 0 may just be rounding (float32 keeps ~7 digits)
+MOVING = 1e-4
+#: a parameter whose gradient, relative to its weights, is below this fraction of the median one is not judged
+TINY = 1e-3
+
+
+@dataclass
+class UnoptimizedParameter(Detector):
+    """Parameters that require grad and get a non-zero gradient, but that no optimizer updates,
+    judged on sampled steps (the update is measured there, one step later) while the rest of
+    the model moves (its median layer's update ratio is at least 1e-4: below that, an update of exactly
+    0 may be float32 rounding of a too-low learning rate; likewise a parameter whose gradient,
+    relative to its weights, is below 1e-3 of the median one is not judged): either no optimizer stepping the model
+    holds them (their update is not measured at all), or their update is exactly zero (a param
+    group with learning rate 0).
+    One finding for all the parameters found on the same step for the same reason, at the layer
+    of the first of them.
+
+    Attributes:
+        patience: consecutive sampled steps a parameter is not updated before it is reported.
+    """
+
+    kind = "unoptimized_parameter"
+    late = True
+    patience: int = 1
+    _version: int = field(default=-1, init=False, repr=False)
+    _runs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False, repr=False)
+
+    def check(self, record: StepRecord) -> list[Finding]:
+        """Count the sampled steps on which each parameter got a gradient and was not updated."""
+        ratio = record.vector("update_ratio", PARAM)
+        grad = record.vector("grad_norm", PARAM)
+        weights = record.vector("param_norm", PARAM)
+        layout = record.layout
+        if record.skipped or ratio is None or grad is None or weights is None or not len(layout.trainable):
+            return []
+        if layout.version != self._version:
+            self._version, self._runs = layout.version, np.zeros(len(layout.params), dtype=np.int64)
+        layers = record.vector("update_ratio")
+        moving = layers[np.isfinite(layers) & (layers > 0)] if layers is not None else np.zeros(0)
+        if not len(moving) or np.median(moving) < MOVING:
+            return []  # nothing moves (lr 0, e.g. a warmup's first step), or too little to tell 0 from rounding
+        moved = np.isfinite(ratio) & (ratio > 0)
+        # a weight norm of 0 (a bias initialised at zero) gives no ratio, and a gradient far smaller than
+        # the others relative to its weights (a conv bias before a BatchNorm) may round to an update of 0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            pull = grad.astype(np.float64) / weights
+        usual = np.median(pull[moved & np.isfinite(pull)]) if (moved & np.isfinite(pull)).any() else 0.0
+        judged = (np.asarray(layout.trainable, dtype=bool) & (weights > 0) & np.isfinite(pull)
+                  & (pull >= TINY * usual) & (grad > 0))
+        stuck = judged & ~moved
+        self._runs = np.where(stuck, self._runs + 1, 0)
+        out = []
+        for zero in (False, True):
+            idx = np.flatnonzero(stuck & (ratio == 0 if zero else np.isnan(ratio)))
+            due = idx[self._runs[idx] == self.patience]
+            if len(due):
+                out.append(self._report(record, due, zero))
+        return out
+
+    def _report(self, record: StepRecord, idx: np.ndarray, zero: bool) -> Finding:
+        layout = record.layout
+        names = [layout.params[i] for i in idx]
+        numel = sum(layout.param_numel[i] for i in idx)
+        layer = layout.owner(int(idx[0]))
+        shown = ", ".join(_layer(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        what = f"{shown} ({plural(numel, 'element')})"
+        verb = "gets" if len(names) == 1 else "get"
+        if zero:
+            message = (f"{what} {verb} gradients but never change{'s' if len(names) == 1 else ''} (an update of "
+                       f"exactly 0 on {plural(self.patience, 'sampled step')} up to step {record.step}) while the "
+                       "rest of the model learns: their param group's learning rate is 0.")
+        else:
+            message = (f"{what} {verb} gradients but no optimizer updates {'it' if len(names) == 1 else 'them'} "
+                       f"(not in any param group of the optimizers stepping the model, step {record.step}): "
+                       f"{'it never learns' if len(names) == 1 else 'they never learn'}.")
+        layers = sorted({layout.owner(int(i)) for i in idx}, key=layout.layers.index)
+        data = {"parameters": names, "layers": layers, "reason": "zero_update" if zero else "not_in_optimizer",
+                "hint": HINT_ZERO if zero else HINT_HELD}
+        return self.finding(record, "warning", layer, message, value=float(len(names)), data=data)
