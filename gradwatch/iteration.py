@@ -42,8 +42,13 @@ class Steps(Protocol):
     def close_step(self) -> None:
         """Close the open step (a new iteration begins)."""
 
-    def dropped(self, observed: Observed) -> None:
+    manual: bool
+
+    def dropped(self, observed: Observed, *, ongoing: bool) -> None:
         """Record an iteration whose gradients were dropped without an optimizer step."""
+
+    def manual_step(self) -> None:
+        """The end of a backward pass in a loop that updates the parameters by hand."""
 
     def failed(self, exc: Exception) -> None:
         """An internal error of gradwatch's: detach, leaving training alone."""
@@ -93,13 +98,13 @@ class Iteration:
         self.probe = Probe(model, on_forward=self.forward_started, on_step_pre=on_step_pre,
                            on_step_post=on_step_post, on_backward_start=self.backward_started,
                            on_backward_end=self.backward_done)
+        if tracker is not None:
+            self.probe.on_output = tracker.output
         self.sentinel = 0
         self.relayout(found)
 
     def failed(self, exc: Exception) -> None:
         """An internal error in one of this object's hooks."""
-        if tracker is not None:
-            self.probe.on_output = tracker.output
         self._steps.failed(exc)
 
     def relayout(self, found: Discovered) -> None:
@@ -137,19 +142,22 @@ class Iteration:
     @guarded
     def backward_started(self, grad: torch.Tensor | None = None) -> None:
         """A backward pass begins: the previous iteration's gradients were kept, or dropped."""
-        if self._steps.closed:
+        steps = self._steps
+        if steps.closed:
             return
+        if self.backward is not None:
+            dropped = self.gradients_dropped()
+            self.backward = None
+            if dropped:  # the previous iteration's gradients were dropped without an optimizer step
+                carry, self.carry = self.carry, None
+                steps.dropped(carry[0] if carry else {}, ongoing=True)
+            else:
+                self.merge_carry()
         if self._tracker is not None and grad is not None:
             self._tracker.output_grad(grad)
-        if self.backward is None:
-            return
-        dropped = self.gradients_dropped()
-        self.backward = None
-        if dropped:  # the previous iteration's gradients were dropped without an optimizer step
-            carry, self.carry = self.carry, None
-            self._steps.dropped(carry[0] if carry else {})
-        else:
-            self.merge_carry()
+        if steps.manual:  # the step moment is the end of this backward pass (after DDP's reduction)
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(steps.manual_step))
 
     @guarded
     def backward_done(self, param: torch.Tensor) -> None:
@@ -192,4 +200,4 @@ class Iteration:
         """The run closes: a last iteration whose gradients were dropped is recorded as a step."""
         if self.backward is not None and self.gradients_dropped():
             carry, self.carry = self.carry, None
-            self._steps.dropped(carry[0] if carry else self.observed)
+            self._steps.dropped(carry[0] if carry else self.observed, ongoing=False)

@@ -28,7 +28,7 @@ from gradwatch.optimizers import Optimizers, closure_at, measured_closure, repla
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
 from gradwatch.recording import Open, Recording
-from gradwatch.records import StepRecord
+from gradwatch.records import AMP_SCALE, StepRecord
 from gradwatch.snapshots import Snapshots, rng_state
 from gradwatch.writer import Writer
 
@@ -78,6 +78,7 @@ class Lifecycle(Recording):
         self.before_step: Callable[[], None] | None = None
         self.signalled = False
         self.leave_out = False  # the coming step is left out (a rollback's skip_batches)
+        self.manual = False  # the loop updates the parameters by hand (see ``Recording.dropped``)
         # last: the probe's hooks are live from here on
         self.it = Iteration(model, found, options, tracker, self, on_step_pre=self.step_pre,
                             on_step_post=self.step_post)
@@ -136,15 +137,31 @@ class Lifecycle(Recording):
         if self.open.skip:  # act: this optimizer applies nothing
             self.control.hold(opt, [self.found.params[i] for i in entry.indices])
 
-    def _begin(self, opt: torch.optim.Optimizer, scaled: bool) -> Open | None:
+    @guarded
+    def manual_step(self) -> None:
+        """The end of a backward pass in a loop that updates the parameters by hand: the step moment.
+
+        Actions act as in a loop with an optimizer: clip scales the gradients; skip and rollback
+        zero them, so that the hand-written update adds nothing; halt raises out of ``backward()``.
+        """
+        if self.closed or not self.manual:
+            return
+        if self.open is not None:
+            self.close_step()
+        self.open = self._begin(None, False)
+        if self.open is not None and self.open.skip:
+            grads = [p.grad for p in self.found.params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+
+    def _begin(self, opt: torch.optim.Optimizer | None, scaled: bool) -> Open | None:
         """The story of one step, up to the optimizer's update; None when the GradScaler drops it."""
         step, now = self._count()                                   # open
         if self.leave_out:                                          # branch: an integration leaves it out
             return self._left_out(step, opt)
         measured = self._measure(step, opt)                         # measure: the step's one host read
         if scaled and measured.nonfinite:                           # branch: the scaler skips the update
-            self._skipped(StepRecord(step=step, time=now, layout=self.found.layout, scalars=measured.scalars,
-                                     skipped=True, logged=self.logged(step)))
+            self._overflowed(step, now, measured)
             return None
         record = StepRecord(step=step, time=now, layout=self.found.layout,
                             scalars={"grad_norm": measured.total, **measured.scalars}, vectors=measured.vectors,
@@ -160,6 +177,18 @@ class Lifecycle(Recording):
             self._keep_snapshot(record.step)
         return Open(record, before=self.measure.snapshot(measured.launched))  # recorded when it closes
 
+    def _overflowed(self, step: int, now: float, measured: Measured) -> None:
+        """A step whose unscaled gradients are not finite: the GradScaler skips it (a framework said so)."""
+        scalers = self.control.objects()[2]
+        scale = getattr(scalers[0], "_scale", None) if scalers else None
+        scalars = dict(measured.scalars)
+        if isinstance(scale, torch.Tensor):
+            scalars[AMP_SCALE] = float(stats.to_host([scale])[0])  # a rare step: one more read
+        record = StepRecord(step=step, time=now, layout=self.found.layout, scalars=scalars, skipped=True,
+                            logged=self.logged(step))
+        self.why_dropped(record, self.tracker.captures if self.tracker is not None else [])
+        self._skipped(record)
+
     def _count(self) -> tuple[int, float]:
         """Open a step: its number and time; the iteration's micro-batches join it."""
         step, now = self.step, time.time()
@@ -167,7 +196,7 @@ class Lifecycle(Recording):
         self.it.stepped()
         return step, now
 
-    def _measure(self, step: int, opt: torch.optim.Optimizer) -> Measured:
+    def _measure(self, step: int, opt: torch.optim.Optimizer | None) -> Measured:
         """Launch the step's statistics and read them, with the observed values, in one host read."""
         if step == 0 and self.found.params[self.it.sentinel].grad is None:
             self.it.move_sentinel()
@@ -175,7 +204,7 @@ class Lifecycle(Recording):
         launched = self.measure.launch(sampled, self.it.probe.take_activations() if sampled else [])
         observed, self.it.observed = self.it.observed, {}
         obs_parts = obs.device_parts(observed)
-        lr = opt.param_groups[0].get("lr") if "lr" not in observed else None
+        lr = opt.param_groups[0].get("lr") if opt is not None and "lr" not in observed else None
         lr_parts = [lr] if isinstance(lr, torch.Tensor) else []
         pending = self.pending.update_parts if self.pending is not None else []
         host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *pending])  # the step's one read
@@ -216,6 +245,14 @@ class Lifecycle(Recording):
                 finally:
                     self.it.probe.paused = False
         findings = self.judge.check(record)
+        if self.tracker is not None:
+            if findings:  # the samples that carry a loss spike or an exploding step, by per-sample replays
+                self.it.probe.paused = True
+                try:
+                    self.tracker.explain(findings)
+                finally:
+                    self.it.probe.paused = False
+            self.tracker.clear()
         if self.group is not None:  # every rank judges the same findings: the same action everywhere
             if self.group.due(record.step):
                 findings += self.group.check_replicas(record.step, self.found.params, self.owners())
@@ -245,14 +282,6 @@ class Lifecycle(Recording):
         self.since_snapshot += 1
         if self.snapshots.items and self.since_snapshot < self.options.snapshot_every:
             return
-        if self.tracker is not None:
-            if findings:  # the samples that carry a loss spike or an exploding step, by per-sample replays
-                self.it.probe.paused = True
-                try:
-                    self.tracker.explain(findings)
-                finally:
-                    self.it.probe.paused = False
-            self.tracker.clear()
         self.since_snapshot = 0
         try:
             self.snapshots.take(step, self.model(), *self.control.objects(), rng_state())

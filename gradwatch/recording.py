@@ -4,6 +4,8 @@ norms), or recorded without measurement when it is left out or its gradients are
 
 from __future__ import annotations
 
+import logging
+import math
 import numbers
 import time
 import weakref
@@ -24,9 +26,11 @@ from gradwatch.measure import Measure
 from gradwatch.optimizers import Optimizers
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
-from gradwatch.records import StepRecord
+from gradwatch.records import AMP_SCALE, StepRecord
 from gradwatch.snapshots import Snapshots
 from gradwatch.writer import Writer
+
+log = logging.getLogger("gradwatch")
 
 
 @dataclass
@@ -70,6 +74,8 @@ class Recording:
     current: StepRecord | None
     latest: dict[str, float]
     leave_out: bool
+    #: the loop updates the parameters by hand: each backward pass is a step
+    manual: bool
 
     def sampled(self, step: int) -> bool:
         """Whether ``step`` takes the costlier statistics (update ratios, activations)."""
@@ -84,12 +90,12 @@ class Recording:
         return self.open is not None
 
     # ------------------------------------------------------------- branches
-    def _left_out(self, step: int, opt: torch.optim.Optimizer) -> Open:
+    def _left_out(self, step: int, opt: torch.optim.Optimizer | None) -> Open:
         """A step an integration leaves out (``Watcher.leave_out``): not measured nor judged, not applied."""
         self.leave_out = False
         self.it.probe.take_activations()
         observed, self.it.observed = self.it.observed, {}
-        lr = opt.param_groups[0].get("lr")
+        lr = opt.param_groups[0].get("lr") if opt is not None else None
         if "lr" not in observed and isinstance(lr, (numbers.Real, torch.Tensor)):
             observed["lr"] = [lr]
         record = self.unmeasured(step, observed)
@@ -98,25 +104,85 @@ class Recording:
         self.latest = record.scalars
         return Open(record, skip=True)
 
-    def unmeasured(self, step: int, observed: obs.Observed) -> StepRecord:
-        """The record of a step whose gradients are not measured: its observed scalars only."""
+    def unmeasured(self, step: int, observed: obs.Observed, *, scaler: Any = None) -> StepRecord:
+        """The record of a step whose gradients are not measured: its observed scalars only (and
+        the loss scale of ``scaler``, read with them, as ``amp_scale``).
+        """
         obs_parts = obs.device_parts(observed)
+        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        scale_parts = [scale] if isinstance(scale, torch.Tensor) else []
         pending = self.pending.update_parts if self.pending is not None else []
-        host = stats.to_host([*obs_parts, *pending])
+        host = stats.to_host([*obs_parts, *scale_parts, *pending])
         scalars = obs.scalars(observed, host[: len(obs_parts)])
+        if scale_parts:
+            scalars[AMP_SCALE] = float(host[len(obs_parts)])
         if self.pending is not None:
-            self._record_pending(host[len(obs_parts):])
-        record = StepRecord(step=step, time=time.time(), layout=self.found.layout, scalars=scalars,
-                            skipped=True, logged=self.logged(step))
-        if self.tracker is not None:
-            self.tracker.clear()
-        return record
+            self._record_pending(host[len(obs_parts) + len(scale_parts):])
+        return StepRecord(step=step, time=time.time(), layout=self.found.layout, scalars=scalars,
+                          skipped=True, logged=self.logged(step))
 
-    def dropped(self, observed: obs.Observed) -> None:
-        """An iteration whose gradients were dropped without an optimizer step (a GradScaler overflow)."""
+    def dropped(self, observed: obs.Observed, *, ongoing: bool) -> None:
+        """An iteration whose gradients were dropped without an optimizer step.
+
+        With a GradScaler, the scaler skipped its update: an overflow of the scaled gradients,
+        or a forward pass that went non-finite (then a ``nonfinite`` finding, with the origin
+        found by replaying it). With neither a scaler nor an optimizer ever seen stepping the
+        model, the loop updates the parameters by hand: from now on each backward pass is
+        measured as a step (:meth:`manual_step`).
+
+        Args:
+            observed: the iteration's observed values.
+            ongoing: a new iteration has begun (its forward is the latest one the tracker holds).
+        """
         step = self.step
         self.step += 1
-        self._skipped(self.unmeasured(step, observed))
+        scalers = self.control.objects()[2]
+        if not scalers and not self.optimizers.all():
+            self._by_hand(step, observed)
+            return
+        captures = self.tracker.captures if self.tracker is not None else []
+        mine, latest = (captures[:-1], captures[-1:]) if ongoing else (captures, [])
+        record = self.unmeasured(step, observed, scaler=scalers[0] if scalers else None)
+        if scalers:
+            self.why_dropped(record, mine)
+        self._skipped(record)
+        if self.tracker is not None:
+            self.tracker.captures = latest
+
+    def why_dropped(self, record: StepRecord, captures: list[Any]) -> None:
+        """A GradScaler dropped this step: a forward pass that went non-finite gets its origin
+        (``record.origin``, phase ``forward``) by replaying it; an overflow in backward does not.
+        """
+        loss = record.scalars.get("loss")
+        if self.tracker is None or (loss is not None and math.isfinite(loss)) or not captures:
+            return  # a finite loss: the scaled gradients overflowed in backward
+        held, self.tracker.captures = self.tracker.captures, captures
+        self.it.probe.paused = True
+        try:
+            origin = self.tracker.find(loss is None or math.isfinite(loss))
+        finally:
+            self.it.probe.paused = False
+            self.tracker.captures = held
+        if origin is not None and origin.get("phase") == "forward":
+            record.origin = origin
+
+    def _by_hand(self, step: int, observed: obs.Observed) -> None:
+        """The first iteration of a loop that updates the parameters by hand (no optimizer step)."""
+        self.manual = True
+        record = self.unmeasured(step, observed)
+        record.skipped = False  # its update was applied, by hand; only its gradients were not measured
+        log.info("gradwatch: no optimizer.step() seen on this model and no GradScaler: the loop updates the "
+                 "parameters by hand, so each backward pass is measured as a step from step %d on", step + 1)
+        self.writer.submit_meta(step_moment="end of backward (parameters updated by hand, no optimizer.step())")
+        if self.tracker is not None:
+            self.tracker.clear()
+        self.latest = record.scalars
+        findings = self.judge.check(record)
+        self.submit(record)
+        if findings:
+            self.judge.defer(findings)
+        if not self.sampled(self.step):
+            self.it.probe.detach_activations()
 
     def _skipped(self, record: StepRecord) -> None:
         """Judge and record a step whose update a GradScaler dropped (findings act at the next step)."""
@@ -150,6 +216,11 @@ class Recording:
         """Close the open step: record it now, or with its update norms at the next host read."""
         step, self.open = self.open, None
         assert step is not None
+        if self.manual and step.before and not step.skip:  # updated by hand since the step's moment
+            trainable = [i for i, p in enumerate(self.found.params) if p.requires_grad]
+            idx, parts = self.measure.update_norms(step.before, trainable)
+            step.update_idx += idx
+            step.update_parts += parts
         step.before.clear()
         if step.update_parts:
             self.pending = step

@@ -17,6 +17,8 @@ EVERY_STEP_METRICS = ("grad_norm", "grad_nonfinite")
 #: when gradients are measured after it (the HF Trainer's ``max_grad_norm``); the ``exploding``
 #: detector judges it instead of the clipped ``grad_norm``
 PRECLIP = "grad_norm_preclip"
+#: the GradScaler's loss scale, recorded on the steps it skipped
+AMP_SCALE = "amp_scale"
 
 LAYER = "layer"
 PARAM = "param"

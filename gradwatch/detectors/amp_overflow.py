@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
+from gradwatch.records import AMP_SCALE, StepRecord
 
 HINT = (
     "occasional skips while the scaler calibrates are normal; a run of them means gradients are "
@@ -34,18 +35,22 @@ class AmpOverflow(Detector):
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Count consecutive skipped steps."""
-        if not record.skipped:
+        if not record.skipped or AMP_SCALE not in record.scalars:  # skipped, by a GradScaler
             self._run = 0
+            return []
+        loss = record.scalars.get("loss")
+        if (loss is not None and not math.isfinite(loss)) or (record.origin or {}).get("phase") == "forward":
+            self._run += 1  # a NaN/Inf forward pass, not an overflow: the nonfinite finding says so
             return []
         self._run += 1
         n = self._run
         severity = "error" if n >= self.error_after else "warning" if n >= self.warn_after else "info"
         if n == 1:
-            message = (f"step {record.step} was skipped: its gradients were dropped without an optimizer step "
-                       "(GradScaler overflow).")
+            message = (f"step {record.step} was skipped by the GradScaler: its scaled gradients overflowed "
+                       f"(loss scale now {record.scalars[AMP_SCALE]:g}).")
         else:
-            message = (f"{n} steps in a row skipped for gradient overflow up to step {record.step}: "
-                       "training is not progressing.")
+            message = (f"{n} steps in a row skipped by the GradScaler up to step {record.step} (loss scale now "
+                       f"{record.scalars[AMP_SCALE]:g}, still falling): training is not progressing.")
         if severity != "info" and n not in (self.warn_after, self.error_after):
             return []
         return [self.finding(record, severity, None, message, value=float(n), data={"consecutive": n, "hint": HINT})]

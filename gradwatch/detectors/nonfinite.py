@@ -35,17 +35,19 @@ class NonFinite(Detector):
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Report a step whose loss, gradients or activations are not all finite."""
-        if record.skipped:
-            return []
         loss = record.scalars.get("loss")
         bad_loss = loss is not None and not math.isfinite(loss)
+        # a step a GradScaler skipped is an overflow unless its forward pass went non-finite
+        bad_forward = record.skipped and (record.origin or {}).get("phase") == "forward"
+        if record.skipped and not (bad_loss or bad_forward):
+            return []
         counts = record.vector("grad_nonfinite", PARAM)
         bad_grads = int(np.nansum(counts)) if counts is not None and (counts > 0).any() else 0
         act = record.vector("act_norm")
         bad_act = np.zeros(0, dtype=bool)
         if act is not None:
             bad_act = present(record, "layer", "act_norm") & ~np.isfinite(act)
-        if not (bad_loss or bad_grads or bad_act.any()):
+        if not (bad_loss or bad_forward or bad_grads or bad_act.any()):
             return []
         origin = dict(record.origin or {})
         if origin.get("how", "attributed") == "attributed" and origin.get("layer") is None:  # not replayed/reproduced
@@ -76,9 +78,9 @@ class NonFinite(Detector):
         }
         if origin.get("note"):
             data["note"] = origin["note"]
+        data.update(words.data(origin))
         return [self.finding(record, "error", origin.get("layer"), message, value=float(bad_grads),
                              phase=origin.get("phase"), data=data)]
-        data.update(words.data(origin))
 
     @staticmethod
     def _attribute(record: StepRecord, bad_act: np.ndarray) -> dict[str, Any]:

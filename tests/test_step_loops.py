@@ -1,0 +1,203 @@
+"""Loops written the way people write them (issue 15 items 2, 3, 4): hand-written updates, GradScaler
+under fp16 autocast, copies and saves of the watched model.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradwatch as gw
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def _manual_sgd(model: nn.Module, steps: int, *, nan_at: int | None = None, watched: bool = True,
+                lr: float = 0.1) -> tuple[list[float], dict[int, torch.Tensor]]:
+    """The classic loop that updates the parameters by hand: zero_grad, forward, backward, clip, p.data.add_."""
+    gen = torch.Generator().manual_seed(0)
+    losses, weights = [], {}
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=gen)
+        if step == nan_at:
+            x[0, 0] = float("nan")
+        model.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if watched:
+            gw.watcher(model).observe(loss=loss)
+        weights[step] = model[0].weight.detach().clone()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-lr)
+        losses.append(loss.item())
+    return losses, weights
+
+
+def test_a_loop_that_updates_by_hand_is_measured_and_never_called_a_gradscaler_overflow(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    bare, _ = _manual_sgd(_mlp(), 30, watched=False)
+    torch.manual_seed(0)
+    model = gw.watch(_mlp(), run=tmp_path / "run", console=False)
+    losses, _ = _manual_sgd(model, 30)
+    assert losses == bare  # watching changes nothing
+    gw.unwatch(model)
+    with gw.open_run(tmp_path / "run") as run:
+        assert run.steps == 30
+        assert run.findings().empty, run.findings()[["step", "kind", "message"]]
+        norms = run.metrics("grad_norm")
+        measured = sorted(set(norms[norms["layer"].isna()]["step"]))
+        assert measured == list(range(1, 30))  # every step after the first tells the loop's kind
+        assert "end of backward" in run.meta["step_moment"]
+
+
+def test_a_nan_in_a_loop_that_updates_by_hand_is_found_and_skipped(tmp_path: Path) -> None:
+    model = gw.watch(_mlp(), run=tmp_path / "run", console=False)
+    _, weights = _manual_sgd(model, 12, nan_at=5)
+    assert torch.equal(weights[5], weights[6]), "the skip must leave the weights as they were"
+    assert torch.isfinite(model[0].weight).all()
+    gw.unwatch(model)
+    with gw.open_run(tmp_path / "run") as run:
+        found = run.findings()
+    assert list(zip(found["kind"], found["step"], found["action"])) == [("nonfinite", 5, "skip")]
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = (self.q(x) @ self.k(x).transpose(1, 2) / 4).masked_fill(~mask, float("-inf"))
+        return F.softmax(scores, dim=-1) @ self.v(x)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.attn, self.head = nn.Linear(8, 16), _Attention(), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(self.emb(x), mask))
+
+
+def _fp16_scaler_run(run: Path, *, observe: bool, masked_at: int = 7, huge_at: int = 4) -> None:
+    """fp16 autocast + GradScaler: a fully masked attention row at ``masked_at``, a loss so large at
+    ``huge_at`` that the scaled gradients overflow float16 (a real overflow the scaler skips).
+    """
+    torch.manual_seed(0)
+    model = gw.watch(_Net(), run=run, console=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for step in range(12):
+        x = torch.randn(4, 6, 8)
+        mask = torch.tril(torch.ones(6, 6, dtype=torch.bool)).expand(4, 6, 6).clone()
+        if step == masked_at:
+            mask[1, 3, :] = False
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x, mask).float().pow(2).mean() * (1e6 if step == huge_at else 1.0)
+        scaler.scale(loss).backward()
+        if observe:
+            gw.watcher(model).observe(loss=loss)
+        scaler.step(opt)
+        scaler.update()
+    gw.unwatch(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("observe", [True, False], ids=["loss-observed", "loss-not-observed"])
+def test_under_a_gradscaler_a_nan_forward_is_nonfinite_with_its_origin_and_an_overflow_is_not(
+        tmp_path: Path, observe: bool) -> None:
+    run = tmp_path / "run"
+    _fp16_scaler_run(run, observe=observe)
+    with gw.open_run(run) as opened:
+        found = opened.findings()
+        scale = opened.metrics("amp_scale")
+    rows = list(zip(found["kind"], found["step"], found["layer"], found["severity"]))
+    assert rows == [("amp_overflow", 4, None, "info"), ("nonfinite", 7, "attn", "error")], found
+    assert found.iloc[1]["phase"] == "forward"
+    assert "GradScaler" in found.iloc[0]["message"] and "loss scale now 128" in found.iloc[0]["message"]
+    assert sorted(scale["step"]) == [4, 7] and scale[scale.step == 4]["value"].iloc[0] == 128.0
+    check = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run), "--fail-on", "warning"],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 1, check.stdout
+
+
+def test_an_optimizer_loop_that_drops_gradients_claims_no_gradscaler(tmp_path: Path) -> None:
+    model = gw.watch(_mlp(), run=tmp_path / "run", console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(12):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 8)).pow(2).mean()
+        loss.backward()
+        if step % 4 == 3:
+            continue  # the loop drops this batch's gradients (e.g. "skip a bad batch")
+        opt.step()
+    gw.unwatch(model)
+    with gw.open_run(tmp_path / "run") as run:
+        assert run.findings().empty
+        # 9 optimizer steps and the 2 dropped iterations a later backward told of; the last one's
+        # gradients were still there when the run closed: not a step
+        assert run.steps == 11
+        assert list(run.records())[3].skipped
+
+
+# ------------------------------------------------------------------ copies
+def _trained_watched(tmp_path: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = gw.watch(_mlp(), run=tmp_path / "run", console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _train_once(model: nn.Module) -> None:
+    model.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+
+
+def _no_gradwatch_hooks(model: nn.Module) -> bool:
+    hooks = [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
+    hooks += [h for p in model.parameters() for h in (p._post_accumulate_grad_hooks or {}).values()]
+    return not any("gradwatch" in getattr(h, "__module__", "") or "gradwatch" in repr(h) for h in hooks)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "AveragedModel"])
+def test_a_watched_model_can_be_copied_and_saved_and_the_copy_is_not_watched(tmp_path: Path, how: str) -> None:
+    model, opt = _trained_watched(tmp_path)
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    elif how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    else:
+        averaged = torch.optim.swa_utils.AveragedModel(model)
+        averaged.update_parameters(model)
+        twin = averaged.module
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    _train_once(twin)  # the copy runs; its inherited hooks do nothing and remove themselves
+    assert _no_gradwatch_hooks(twin)
+    with pytest.raises(gw.ConfigError, match="not watched"):
+        gw.watcher(twin)
+    before = gw.watcher(model).step
+    opt.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    _train_once(model)
+    assert gw.watcher(model).step == before + 1  # the original is still watched
