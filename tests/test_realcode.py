@@ -1,0 +1,245 @@
+"""The real-code zoo (tests/realcode) through gradwatch with the default rules (issue 15).
+
+Healthy variants: no warning or error, and the losses are bit-identical watched and unwatched.
+Planted failures, the way they happen in practice: every warning and error of the run is listed
+exactly (kind, step, layer), so each root cause is one finding found where and when it starts,
+and its message says what went wrong and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .realcode import Result, gpt, hf_trainer, lstm_lm, reinforce, resnet, vae
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Small models on a shared 2-core machine: one thread is faster and the same on every run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train(script: Any, run: Path | None, **config: Any) -> Result:
+    return script.train(script.Config(run=run, **config))
+
+
+def loud(result: Result) -> list[dict[str, Any]]:
+    """The run's warnings and errors."""
+    return [f for f in result.findings() if f["severity"] != "info"]
+
+
+def summary(found: list[dict[str, Any]]) -> list[tuple[str, int, str | None]]:
+    return [(f["kind"], f["step"], f["layer"]) for f in found]
+
+
+# ------------------------------------------------------------------------------------ healthy
+HEALTHY = {
+    "gpt-bf16": (gpt, {"max_iters": 40}),
+    "gpt-fp16-gradscaler": (gpt, {"dtype": "float16", "max_iters": 20}),
+    "gpt-no-clip-no-warmup": (gpt, {"grad_clip": 0.0, "warmup_iters": 0, "max_iters": 40}),
+    "lstm-lm-sgd": (lstm_lm, {"optimizer": "sgd"}),
+    "resnet-bn-sgd-momentum": (resnet, {}),
+    "vae-summed-loss": (vae, {}),  # healthy global norms of 3e3 to 1.5e4: no absolute limit fires
+    "reinforce": (reinforce, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(HEALTHY))
+def test_healthy_real_code_is_quiet_and_bit_identical(name: str, tmp_path: Path) -> None:
+    script, config = HEALTHY[name]
+    plain = train(script, None, **config)
+    watched = train(script, tmp_path / "run", **config)
+    assert watched.losses == plain.losses, "watching changes nothing (the default rules took no action)"
+    assert loud(watched) == []
+    assert sum(plain.losses[-5:]) < sum(plain.losses[:5]) or name == "reinforce", "the script learns"
+
+
+@pytest.mark.slow  # a Trainer run takes a few seconds to set up
+def test_healthy_hf_trainer_is_quiet_and_bit_identical(tmp_path: Path) -> None:
+    plain = train(hf_trainer, None)
+    watched = train(hf_trainer, tmp_path / "run")
+    assert watched.losses == plain.losses
+    assert loud(watched) == []
+
+
+def test_vae_summed_loss_gradient_norms_are_in_the_thousands(tmp_path: Path) -> None:
+    """The case an absolute bound on the global norm (the former exploding.limit = 1e4) got wrong."""
+    import gradwatch as gw
+
+    result = train(vae, tmp_path / "run")
+    with gw.open_run(tmp_path / "run") as run:
+        _, norms = run.series("grad_norm")
+    assert norms.max() > 1.5e4 and norms.min() > 3e3
+    assert result.findings() == []
+
+
+# ------------------------------------------------------------------ item 1: the learning rate
+def test_gpt_lr_100x_is_named_at_step_0(tmp_path: Path) -> None:
+    """Before: nothing in 60 steps (the issue's run: one exploding warning at step 121)."""
+    found = loud(train(gpt, tmp_path / "run", lr_scale=100))
+    assert summary(found) == [("learning_rate", 0, "transformer.h.0.attn.c_proj")]
+    message = found[0]["message"]
+    assert message.startswith("learning rate too high for transformer.h.0.attn.c_proj (Linear): update is 0.93x "
+                              "the weights at step 0 (half the weights move by 0.46x or more; healthy runs: ~1e-3)")
+    assert message.endswith("lower it or add warmup.")
+    assert found[0]["data"]["direction"] == "high" and found[0]["data"]["cause"] == "learning_rate"
+
+
+def test_gpt_lr_1000x_diverging_is_one_finding_at_step_0(tmp_path: Path) -> None:
+    """Before: nothing. The loss diverges from step 2 (4.1 -> 8.2): the same cause, not a second finding."""
+    result = train(gpt, tmp_path / "run", lr_scale=1000)
+    assert max(result.losses[:6]) > 1.9 * result.losses[0]
+    found = loud(result)
+    assert summary(found) == [("learning_rate", 0, "transformer.h.0.attn.c_proj")]
+    assert "update is 9.3x the weights at step 0" in found[0]["message"]
+
+
+def test_gpt_lr_far_too_low_is_named(tmp_path: Path) -> None:
+    found = loud(train(gpt, tmp_path / "run", lr_scale=1e-4))
+    assert summary(found) == [("learning_rate", 10, None)]  # sampled steps 0 and 10
+    assert found[0]["message"].startswith("learning rate too low (lr 1e-07): the largest update is 6.5e-06x its "
+                                          "layer's weights")
+    assert found[0]["data"]["direction"] == "low"
+
+
+def test_resnet_lr_100x_is_named_at_step_0(tmp_path: Path) -> None:
+    found = loud(train(resnet, tmp_path / "run", lr_scale=100))
+    assert summary(found) == [("learning_rate", 0, "layer1.0.conv1")]
+    assert "learning rate too high for layer1.0.conv1 (Conv2d): update is 3.5x the weights" in found[0]["message"]
+
+
+def test_resnet_lr_far_too_low_is_one_finding(tmp_path: Path) -> None:
+    """The per-layer 'does not learn' findings of the same cause (updates ~1e-9) are not repeated."""
+    found = loud(train(resnet, tmp_path / "run", lr_scale=1e-5))
+    assert summary(found) == [("learning_rate", 10, None)]
+    assert "learning rate too low (lr 9.33e-07)" in found[0]["message"]
+
+
+def test_word_lm_lr_100x_is_named_at_step_0(tmp_path: Path) -> None:
+    found = loud(train(lstm_lm, tmp_path / "run", optimizer="sgd", lr_scale=100))
+    assert summary(found)[0] == ("learning_rate", 0, "decoder")
+    assert "update is 64x the weights at step 0" in found[0]["message"]
+    later = found[1:]  # the wrecked model's gradients later jump back: still clipped, tied to the cause
+    assert all(f["kind"] == "exploding" and f["data"]["cause"] == "learning_rate" for f in later), summary(later)
+
+
+@pytest.mark.slow  # Trainer runs
+def test_hf_trainer_lr_100x_is_named(tmp_path: Path) -> None:
+    """Before: one exploding warning at step 128 (the issue's run). With the Trainer's default of no
+    warmup the first update names it; with a warmup that starts at lr 0, the first sampled step
+    after the weights started moving does, by their geometric growth."""
+    found = loud(train(hf_trainer, tmp_path / "a", lr_scale=100, warmup_steps=0))
+    assert summary(found) == [("learning_rate", 0, "transformer.h.1.attn.c_proj")]
+    assert "learning rate too high for transformer.h.1.attn.c_proj (Conv1D): update is 10x" in found[0]["message"]
+    found = loud(train(hf_trainer, tmp_path / "b", lr_scale=100))
+    assert summary(found) == [("learning_rate", 10, "transformer.h.0.mlp.c_proj")]
+    assert "its weights grew 23.8x in 10 steps up to step 10 (the whole model's 3.1x" in found[0]["message"]
+
+
+@pytest.mark.slow  # a Trainer run
+def test_hf_trainer_lr_1000x_divergence_is_named_within_3_steps(tmp_path: Path) -> None:
+    """Warmup from lr 0: the weights start moving at step 1 and the loss has diverged by step 4."""
+    result = train(hf_trainer, tmp_path / "run", lr_scale=1000)
+    found = loud(result)
+    assert summary(found) == [("loss_spike", 4, None)]
+    assert found[0]["message"].startswith("loss 6.203 at step 4 (median of the last 3) is 1.54x its first values "
+                                          "(4.025): training is diverging; the learning rate is likely too high")
+    assert found[0]["data"]["divergence"] and found[0]["data"]["cause"] == "learning_rate"
+
+
+# ----------------------------------------------------- huge but finite: a norm that overflows
+@pytest.mark.slow  # the overflowing step is replayed to find the samples that carry it
+def test_a_global_norm_overflowing_from_finite_elements_is_an_explosion_at_step_0(tmp_path: Path) -> None:
+    """A log-variance head that starts at 45: exp() makes gradients up to 5e21, whose float32 sum of
+    squares is inf. Before: nothing (inf was left to the nonfinite detector, which sees no
+    non-finite element), and 'vanishing' on the saturated decoder at step 9."""
+    result = train(vae, tmp_path / "run", logvar_bias=45.0, steps=2)
+    assert result.losses[0] > 1e20
+    found = loud(result)
+    assert summary(found) == [("exploding", 0, "fc22")]
+    assert found[0]["severity"] == "error" and found[0]["data"]["overflow"] is True
+    assert found[0]["message"].startswith("global gradient norm overflows float32 (inf) at step 0 although every "
+                                          "gradient element is finite (the largest is 5.05e+21)")
+
+
+# --------------------------------------------- item 5: parameters that no optimizer changes
+def test_a_parameter_left_out_of_the_optimizer_is_named_at_step_0(tmp_path: Path) -> None:
+    """configure_optimizers' name filter drops the position embedding. Before: nothing."""
+    found = loud(train(gpt, tmp_path / "run", left_out="wpe.weight"))
+    assert summary(found) == [("unoptimized_parameter", 0, "transformer.wpe")]
+    assert found[0]["message"].startswith("transformer.wpe.weight (1,536 elements) gets gradients but no optimizer "
+                                          "updates it")
+    assert found[0]["data"]["reason"] == "not_in_optimizer" and found[0]["data"]["parameters"] == [
+        "transformer.wpe.weight"]
+
+
+def test_parameters_frozen_by_mistake_with_lr_0_are_one_finding(tmp_path: Path) -> None:
+    """The BatchNorm group meant to get weight_decay=0 got lr=0. Before: 9 'does not learn' warnings at step 20."""
+    found = loud(train(resnet, tmp_path / "run", frozen_bn=True))
+    assert summary(found) == [("unoptimized_parameter", 0, "bn1")]
+    data = found[0]["data"]
+    assert data["reason"] == "zero_update" and len(data["parameters"]) == 9
+    assert all(p.endswith("weight") for p in data["parameters"]), "zero-initialised biases give no ratio"
+    assert "never change" in found[0]["message"] and "learning rate is 0" in found[0]["message"]
+
+
+# ---------------------------------------------------- item 7: one root cause, one finding
+def test_clip_max_norm_0_is_named_once_not_as_vanishing(tmp_path: Path) -> None:
+    """clip_grad_norm_(..., 0.0): every gradient is zero. Before: 16 vanishing warnings at step 9."""
+    found = loud(train(gpt, tmp_path / "run", grad_clip=0.0, clip_always=True))
+    assert summary(found) == [("zero_gradient", 2, None)]
+    assert found[0]["severity"] == "error"
+    assert "every gradient is exactly zero for 3 steps up to step 2" in found[0]["message"]
+    assert "max_norm=0" in found[0]["message"]
+
+
+def test_a_block_killed_through_functional_relu_is_named_at_its_batchnorm(tmp_path: Path) -> None:
+    """bn1's outputs are all negative and F.relu zeroes them. Before: dead units of the next module
+    (conv2) at step 10, and vanishing of conv1, bn1 and conv2 at step 9."""
+    found = loud(train(resnet, tmp_path / "run", dead_block="layer1.0"))
+    assert summary(found) == [("dead_units", 10, "layer1.0.bn1")]
+    message = found[0]["message"]
+    assert message.startswith("every output of layer1.0.bn1 (BatchNorm2d) is zeroed by the ReLU applied after it "
+                              "(a functional F.relu: 100.0% of what reaches layer1.0.conv2 (Conv2d) is exactly zero)")
+    assert found[0]["data"]["zeroed_in"] == "layer1.0.conv2"
+    assert found[0]["data"]["no_gradient"] == ["layer1.0.conv1", "layer1.0.conv2"]
+
+
+def test_a_policy_layer_killed_through_functional_relu_is_named_not_its_dropout(tmp_path: Path) -> None:
+    """Before: vanishing of affine1 at step 9 and dead units of 'dropout' at step 10."""
+    found = loud(train(reinforce, tmp_path / "run", dead_bias=-100.0))
+    assert summary(found) == [("dead_units", 10, "affine1")]
+    assert "every output of affine1 (Linear) is zeroed by the ReLU applied after it" in found[0]["message"]
+    assert "what reaches dropout (Dropout) is exactly zero" in found[0]["message"]
+
+
+def test_a_dropped_branch_is_one_finding_for_its_block(tmp_path: Path) -> None:
+    """A block whose forward forgot '+=' (out = shortcut(x)). Before: 4 unused_parameter findings."""
+    found = loud(train(resnet, tmp_path / "run", dropped_branch="layer2.0"))
+    assert summary(found) == [("unused_parameter", 2, "layer2.0")]
+    assert found[0]["data"]["layers"] == ["layer2.0.conv1", "layer2.0.bn1", "layer2.0.conv2", "layer2.0.bn2"]
+    assert found[0]["message"].startswith("a branch of layer2.0 (conv1, bn1, conv2, bn2: 6 parameters, 3,520 "
+                                          "elements) received no gradient in 3 steps")
+
+
+def test_a_block_without_any_gradient_is_one_finding_under_its_name(tmp_path: Path) -> None:
+    found = loud(train(resnet, tmp_path / "run", dropped_branch="layer1.0"))  # an identity shortcut: nothing used
+    assert summary(found) == [("unused_parameter", 2, "layer1.0")]
+    assert found[0]["message"].startswith("no parameter of layer1.0 (conv1, bn1, conv2, bn2: 6 parameters")
+
+
+def test_a_fully_masked_attention_row_is_nonfinite_at_the_attention(tmp_path: Path) -> None:
+    """A left-padded sample whose first query may attend to nothing: softmax over all -inf (bf16)."""
+    result = train(gpt, tmp_path / "run", pad_at=20)
+    found = loud(result)
+    assert summary(found) == [("nonfinite", 20, "transformer.h.0.attn")]
+    assert found[0]["phase"] == "forward" and found[0]["action"] == "skip"
+    assert all(torch.isfinite(torch.tensor(result.losses[21:]))), "the default rule skipped the step"
