@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from gradwatch import preclip
 from gradwatch.errors import TrainingHalted
 from gradwatch.layout import Discovered
 from gradwatch.observed import Observed, merge
@@ -101,6 +102,9 @@ class Iteration:
         if tracker is not None:
             self.probe.on_output = tracker.output
         self.sentinel = 0
+        #: the reference gradients' norms at the end of the last backward pass (:mod:`gradwatch.preclip`)
+        self.refs: preclip.References | None = None
+        self._ref_idx: list[int] = []
         self.relayout(found)
 
     def failed(self, exc: Exception) -> None:
@@ -112,6 +116,7 @@ class Iteration:
         self.found = found
         self.sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
         self.probe.watch_backward(found.params[self.sentinel])
+        self._ref_idx, self.refs = preclip.reference_indices(found.params), None
 
     def move_sentinel(self) -> None:
         """Put the sentinel on a parameter that does receive gradients."""
@@ -155,9 +160,18 @@ class Iteration:
                 self.merge_carry()
         if self._tracker is not None and grad is not None:
             self._tracker.output_grad(grad)
-        if steps.manual:  # the step moment is the end of this backward pass (after DDP's reduction)
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(steps.manual_step))
+        # the end of this backward pass, after what it queued itself (DDP's gradient reduction)
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self.backward_ended))
+
+    @guarded
+    def backward_ended(self) -> None:
+        """A backward pass ended: the reference norms (pre-clip); in a loop updating by hand, the step."""
+        if self._steps.closed:
+            return
+        self.refs = preclip.take(self.found.params, self._ref_idx)
+        if self._steps.manual:
+            self._steps.manual_step()
 
     @guarded
     def backward_done(self, param: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gradwatch import observed as obs
-from gradwatch import stats
+from gradwatch import preclip, stats
 from gradwatch.control import LoopControl
 from gradwatch.errors import GradwatchWarning, RunError, TrainingHalted
 from gradwatch.findings import Finding
@@ -179,10 +179,9 @@ class Lifecycle(Recording):
 
     def _overflowed(self, step: int, now: float, measured: Measured) -> None:
         """A step whose unscaled gradients are not finite: the GradScaler skips it (a framework said so)."""
-        scalers = self.control.objects()[2]
-        scale = getattr(scalers[0], "_scale", None) if scalers else None
+        scale = self._loss_scale()
         scalars = dict(measured.scalars)
-        if isinstance(scale, torch.Tensor):
+        if scale is not None:
             scalars[AMP_SCALE] = float(stats.to_host([scale])[0])  # a rare step: one more read
         record = StepRecord(step=step, time=now, layout=self.found.layout, scalars=scalars, skipped=True,
                             logged=self.logged(step))
@@ -206,8 +205,12 @@ class Lifecycle(Recording):
         obs_parts = obs.device_parts(observed)
         lr = opt.param_groups[0].get("lr") if opt is not None and "lr" not in observed else None
         lr_parts = [lr] if isinstance(lr, torch.Tensor) else []
+        refs, self.it.refs = self.it.refs, None  # changed in place since backward: clipped (or unscaled)
+        refs = refs if refs is not None and not launched.sharded and preclip.changed(refs, self.found.params) else None
+        scale = self._loss_scale() if refs is not None else None
+        ref_parts = preclip.parts(refs, scale) if refs is not None else []
         pending = self.pending.update_parts if self.pending is not None else []
-        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *pending])  # the step's one read
+        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *ref_parts, *pending])  # the step's one read
         if launched.sharded and self.group is not None:  # FSDP: the shards' statistics make the model's
             spans = self.measure.spans(launched)
             if pending:
@@ -216,19 +219,28 @@ class Lifecycle(Recording):
             host = self.group.combine(host, spans)
         k = len(launched.parts)
         vectors = self.measure.vectors(launched, host[:k])
+        gnorm = host[:len(launched.gidx)]
+        total = float(np.sqrt(np.sum(gnorm**2))) if len(gnorm) else math.nan
         scalars = obs.scalars(observed, host[k:k + len(obs_parts)])
         k += len(obs_parts)
         if lr_parts:
             scalars["lr"], k = float(host[k]), k + 1
         elif isinstance(lr, numbers.Real):
             scalars["lr"] = float(lr)
+        if refs is not None:
+            preclip.apply(scalars, refs, host[k:k + len(ref_parts)], gnorm, launched.gidx, total, scale is not None)
+            k += len(ref_parts)
         if self.pending is not None:  # the previous sampled step's update norms came with this read
             self._record_pending(host[k:])
         if sampled and not self.sampled(step + 1):
             self.it.probe.detach_activations()
-        gnorm = host[:len(launched.gidx)]
-        total = float(np.sqrt(np.sum(gnorm**2))) if len(gnorm) else math.nan
         return Measured(launched, vectors, scalars, total, nonfinite=not np.isfinite(gnorm).all())
+
+    def _loss_scale(self) -> torch.Tensor | None:
+        """The scale of the GradScaler that scaled this step's backward pass, if one did (on the device)."""
+        scalers = self.control.objects()[2]
+        scale = getattr(scalers[0], "_scale", None) if scalers else None
+        return scale if isinstance(scale, torch.Tensor) else None
 
     def _judge(self, record: StepRecord, nonfinite: bool) -> list[Finding]:
         """What is wrong with the step: the detectors' findings (every rank agreeing), with the

@@ -12,7 +12,7 @@ import torch
 Observed = dict[str, list[Any]]
 
 #: what gradwatch measures itself: observing it would overwrite the measurement
-RESERVED = ("grad_norm", "amp_scale")
+RESERVED = ("grad_norm", "amp_scale", "clip_coef")
 
 
 def validated(name: str, value: Any) -> Any:

@@ -19,6 +19,9 @@ EVERY_STEP_METRICS = ("grad_norm", "grad_nonfinite")
 PRECLIP = "grad_norm_preclip"
 #: the GradScaler's loss scale, recorded on the steps it skipped
 AMP_SCALE = "amp_scale"
+#: the factor the loop scaled every gradient by between backward and the step (``clip_grad_norm_``),
+#: recorded when it is not 1 (see :mod:`gradwatch.preclip`)
+CLIP_COEF = "clip_coef"
 
 LAYER = "layer"
 PARAM = "param"

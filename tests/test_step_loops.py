@@ -201,3 +201,56 @@ def test_a_watched_model_can_be_copied_and_saved_and_the_copy_is_not_watched(tmp
     opt.step()
     _train_once(model)
     assert gw.watcher(model).step == before + 1  # the original is still watched
+
+
+# ---------------------------------------------------------------- pre-clip
+def _clipping_loop(run: Path, *, max_norm: float, amp: bool, spike_at: int | None = 30,
+                   steps: int = 40) -> list[float]:
+    """A loop that clips its own gradients (after ``scaler.unscale_`` with a GradScaler), as
+    widely copied trainers do; returns what ``clip_grad_norm_`` returned (the pre-clip norms).
+    """
+    torch.manual_seed(0)
+    model = gw.watch(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)), run=run, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", enabled=amp)
+    norms = []
+    for step in range(steps):
+        x, y = torch.randn(16, 8), torch.randn(16, 1) * (300.0 if step == spike_at else 1.0)
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        gw.watcher(model).observe(loss=loss)
+        scaler.step(opt)
+        scaler.update()
+    gw.unwatch(model)
+    return norms
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "gradscaler"])
+def test_clip_grad_norm_does_not_hide_the_norm_before_it(tmp_path: Path, amp: bool) -> None:
+    truth = _clipping_loop(tmp_path / "run", max_norm=1.0, amp=amp)
+    with gw.open_run(tmp_path / "run") as run:
+        pre = run.metrics("grad_norm_preclip")
+        post = run.metrics("grad_norm")
+        coef = run.metrics("clip_coef")
+        found = run.findings()
+    clipped = [s for s, n in enumerate(truth) if n > 1.0]
+    assert sorted(pre["step"]) == clipped == sorted(coef["step"])  # recorded where the clip changed them
+    for step, value in zip(pre["step"], pre["value"]):
+        assert value == pytest.approx(truth[step], rel=1e-5)
+    assert post[post.layer.isna() & (post.step == 30)]["value"].iloc[0] == pytest.approx(1.0, rel=1e-4)
+    spikes = found[found.kind == "exploding"]
+    assert 30 in set(spikes["step"]), found[["step", "kind", "message"]]
+    assert "before clipping" in spikes[spikes.step == 30]["message"].iloc[0]
+
+
+def test_a_clip_with_max_norm_zero_is_named_as_such(tmp_path: Path) -> None:
+    _clipping_loop(tmp_path / "run", max_norm=0.0, amp=False, spike_at=None, steps=10)
+    with gw.open_run(tmp_path / "run") as run:
+        found = run.findings()
+        coef = run.metrics("clip_coef")
+    assert set(coef["value"]) == {0.0}
+    assert list(found["kind"]) == ["zero_gradient"], found[["step", "kind", "message"]]
+    assert "max_norm=0" in found["message"].iloc[0] and "scaled to zero" in found["message"].iloc[0]

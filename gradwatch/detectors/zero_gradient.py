@@ -8,7 +8,7 @@ import numpy as np
 
 from gradwatch.detectors.base import Detector
 from gradwatch.findings import Finding
-from gradwatch.records import PRECLIP, StepRecord
+from gradwatch.records import CLIP_COEF, PRECLIP, StepRecord
 from gradwatch.wording import plural
 
 HINT = (
@@ -55,6 +55,11 @@ class ZeroGradient(Detector):
         if before is not None and before > 0:
             message = (f"clip_grad_norm_ scaled every gradient to zero for {steps} up to step {record.step} (global "
                        f"norm {before:.3g} before clipping, 0 after): max_norm=0 turns training off.")
+            hint = HINT_CLIP
+        elif record.scalars.get(CLIP_COEF) == 0:  # non-zero at the end of backward, zero at the step
+            message = (f"every gradient was non-zero at the end of backward and scaled to zero before the optimizer "
+                       f"step, for {steps} up to step {record.step}: a clip_grad_norm_ with max_norm=0 (0 does not "
+                       "mean 'no clipping') turns training off.")
             hint = HINT_CLIP
         else:
             message = (f"every gradient is exactly zero for {steps} up to step {record.step}: nothing learns; a "
