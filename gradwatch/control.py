@@ -54,6 +54,9 @@ class Loop(Protocol):
     def halted(self, step: int, reason: str) -> None:
         """A rule halts training at ``step``: write everything and close the run."""
 
+    def leave_out_samples(self, ids: list[Any]) -> list[Any]:
+        """Add samples to the skip list; returns those that were not in it yet."""
+
 
 def _is_scheduler(obj: Any) -> bool:
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -198,6 +201,18 @@ class LoopControl:
                 sched._last_lr = [lr * factor for lr in sched._last_lr]
         lrs = [g["lr"] for opt in optimizers for g in opt.param_groups]
         return {"factor": factor, "lr": float(lrs[0]) if lrs else None}
+
+    def skip_samples(self, finding: Finding) -> dict[str, Any]:
+        """Leave the samples ``finding`` blames out of the batches drawn from now on (by their ids)."""
+        samples = finding.data.get("samples") or {}
+        ids = [i for i in (samples.get("ids") or []) if i is not None]
+        if not samples.get("indices"):
+            return {"samples_skipped": [], "samples_reason": "the finding blames no sample"}
+        if not ids:
+            return {"samples_skipped": [], "samples_reason": "the blamed samples have no ids: pass "
+                    "observe(sample_ids=...) or iterate with watcher.batches(loader)"}
+        new = self._watcher.leave_out_samples(ids)
+        return {"samples_skipped": ids, "samples_new": len(new)}
 
     def halt(self, finding: Finding | None, reason: str | None = None) -> None:
         """Close the run as halted and raise TrainingHalted from the optimizer step."""

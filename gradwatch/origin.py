@@ -182,8 +182,19 @@ class Tracker:
         model = self._model()
         if not wanted or model is None or not self.captures or any(cap.modified() for cap in self.captures):
             return
+        done: dict[bool, tuple[dict[str, Any], float]] = {}
+        for f in wanted:
+            losses = BLAMED[f.kind] and any(cap.losses is not None for cap in self.captures)
+            if losses not in done:
+                done[losses] = self._blame(model, losses)
+            samples, ms = done[losses]
+            f.data["samples"] = samples
+            f.data["replay_ms"] = ms
+            f.message = f"{f.message.rstrip()} {words.blame_sentence(samples)}"
+
+    def _blame(self, model: nn.Module, losses: bool) -> tuple[dict[str, Any], float]:
+        """The step's samples by per-sample losses or gradients, and the time it took (ms)."""
         start = time.perf_counter()
-        losses = any(BLAMED[f.kind] for f in wanted)
         try:
             with warnings.catch_warnings(), preserved(model, self.rng):
                 warnings.simplefilter("ignore")
@@ -191,9 +202,4 @@ class Tracker:
         except Exception as exc:  # a model the per-sample replay cannot run: say so, leave the finding
             samples = {"indices": [], "ids": None, "how": None,
                        "reason": f"the per-sample replay failed ({type(exc).__name__}: {exc})"}
-        ms = round((time.perf_counter() - start) * 1000, 1)
-        sentence = words.blame_sentence(samples)
-        for f in wanted:
-            f.data["samples"] = samples
-            f.data["replay_ms"] = ms
-            f.message = f"{f.message.rstrip()} {sentence}"
+        return samples, round((time.perf_counter() - start) * 1000, 1)

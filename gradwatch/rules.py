@@ -22,8 +22,9 @@ REQUIRED = object()
 ACTIONS: dict[str, dict[str, tuple[type, Any]]] = {
     "warn": {},
     "clip": {"max_norm": (float, None)},
-    "skip": {"max_consecutive": (int, 20)},
-    "rollback": {"skip_batches": (int, 0), "lr_scale": (float, 1.0), "max_rollbacks": (int, 3)},
+    "skip": {"max_consecutive": (int, 20), "skip_samples": (bool, False)},
+    "rollback": {"skip_batches": (int, 0), "lr_scale": (float, 1.0), "max_rollbacks": (int, 3),
+                 "skip_samples": (bool, False)},
     "scale_lr": {"factor": (float, REQUIRED)},
     "halt": {},
 }
@@ -47,7 +48,9 @@ class Rule:
         below: only findings whose value is below this number.
         **params: the action's parameters: ``clip``: ``max_norm`` (omit for adaptive);
             ``skip``: ``max_consecutive`` (halt after that many skipped steps in a row, 0 never);
-            ``rollback``: ``skip_batches``, ``lr_scale``, ``max_rollbacks``; ``scale_lr``: ``factor``;
+            ``rollback``: ``skip_batches``, ``lr_scale``, ``max_rollbacks``; ``skip`` and
+            ``rollback``: ``skip_samples`` (leave the samples the finding blames out of the batches
+            drawn afterwards, and add them to the run's ``skip_samples.txt``); ``scale_lr``: ``factor``;
             a plugin: those its ``params`` declare.
 
     Raises:

@@ -31,6 +31,9 @@ class Control(Protocol):
     def scale_lr(self, factor: float) -> dict[str, Any]:
         """Multiply the learning rate of every parameter group by ``factor``."""
 
+    def skip_samples(self, finding: Finding) -> dict[str, Any]:
+        """Leave the samples ``finding`` blames (``data["samples"]``) out of training from now on."""
+
     def halt(self, finding: Finding) -> None:
         """Flush, write the verdict and raise ``gw.TrainingHalted``."""
 

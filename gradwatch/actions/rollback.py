@@ -10,7 +10,8 @@ from gradwatch.findings import Finding
 
 class Rollback(Action):
     """Restore model, optimizers, LR schedulers, GradScaler and RNG; optionally skip the next
-    ``skip_batches`` batches and scale the LR by ``lr_scale``; after ``max_rollbacks`` halt.
+    ``skip_batches`` batches (or, with ``skip_samples``, only the samples the finding blames) and
+    scale the LR by ``lr_scale``; after ``max_rollbacks`` halt.
     """
 
     name = "rollback"
@@ -18,4 +19,7 @@ class Rollback(Action):
     def apply(self, rule: Params | None, finding: Finding, control: Control) -> dict[str, Any]:
         """Roll back."""
         assert rule is not None
-        return control.rollback(rule.param("skip_batches"), rule.param("lr_scale"), rule.param("max_rollbacks"))
+        outcome = control.rollback(rule.param("skip_batches"), rule.param("lr_scale"), rule.param("max_rollbacks"))
+        if rule.param("skip_samples"):
+            outcome.update(control.skip_samples(finding))
+        return outcome

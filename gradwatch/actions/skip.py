@@ -9,10 +9,15 @@ from gradwatch.findings import Finding
 
 
 class Skip(Action):
-    """Skip the update; after ``max_consecutive`` skipped steps in a row, halt instead."""
+    """Skip the update; after ``max_consecutive`` skipped steps in a row, halt instead; with
+    ``skip_samples``, also leave the samples the finding blames out of later batches.
+    """
 
     name = "skip"
 
     def apply(self, rule: Params | None, finding: Finding, control: Control) -> dict[str, Any]:
         """Skip the step."""
-        return control.skip(rule.param("max_consecutive") if rule is not None else 0)
+        outcome = control.skip(rule.param("max_consecutive") if rule is not None else 0)
+        if rule is not None and rule.param("skip_samples"):
+            outcome.update(control.skip_samples(finding))
+        return outcome

@@ -119,6 +119,8 @@ def _cause(model: nn.Module, cap: Capture, located: Located, call: dict[str, Any
     out: dict[str, Any] = {"cause": cause.MODEL, "cause_detail": cause.words_model(grew, dtype)}
     if grew:
         out["grew"] = grew
+    if dtype:
+        out["precision_replay"] = dtype
     if note:
         out["cause_note"] = note
     return out

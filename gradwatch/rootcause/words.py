@@ -35,12 +35,25 @@ def samples_phrase(samples: dict[str, Any] | None) -> str | None:
 
 
 def cause_phrase(root: dict[str, Any]) -> str | None:
-    """``cause: precision — <detail>``, or None when no cause was decided."""
+    """``cause: precision (finite in float32)``: the class and its evidence in a few words (the full
+    detail is the finding's ``root_cause.cause_detail``), or None when no cause was decided.
+    """
     name = CAUSES.get(str(root.get("cause")))
     if name is None:
         return None
-    detail = root.get("cause_detail")
-    return f"cause: {name}" + (f" ({detail})" if detail else "")
+    wider = root.get("precision_replay")
+    if name == "precision":
+        why = f"finite when replayed in {wider}"
+    elif name == "not reproducible":
+        why = "the replay stayed finite" + (f" on rank {root['rank']}" if root.get("rank") is not None else "")
+    elif name == "model":
+        why = f"reproducible in {wider} with a finite batch" if wider else "reproducible with a finite batch"
+        grew = root.get("grew") or []
+        if grew:
+            why += "; weights that grew: " + ", ".join(f"{d['param']} x{d['ratio']:.3g}" for d in grew)
+    else:
+        why = str(root.get("cause_detail") or "")
+    return f"cause: {name}" + (f" ({why})" if why else "")
 
 
 def op_phrase(origin: dict[str, Any]) -> str | None:
