@@ -54,24 +54,39 @@ class Item:
     repeats: int = 1
     hint: str | None = None
     origin: dict[str, Any] | None = field(default=None)
+    #: where a NaN/Inf was born: op, source line, fact, cause (``gradwatch.rootcause``)
+    root_cause: dict[str, Any] | None = None
+    #: the samples the finding blames: indices in the batch, the user's ids, how, a summary of values
+    samples: dict[str, Any] | None = None
+    #: what replaying the step to find the root cause or the samples cost (ms)
+    replay_ms: float | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Item:
         """From a row of :meth:`gradwatch.Run.findings`."""
         data = row.data if isinstance(row.data, dict) else {}
         origin = data.get("origin") if isinstance(data.get("origin"), dict) else None
+        root, samples, ms = data.get("root_cause"), data.get("samples"), data.get("replay_ms")
         return cls(kind=str(row.kind), severity=str(row.severity), step=int(row.step),
                    layer=text_or_none(row.layer), phase=text_or_none(row.phase), message=str(row.message),
                    action=text_or_none(row.action), repeats=int(data.get("repeats", 1)),
-                   hint=text_or_none(data.get("hint")), origin=origin)
+                   hint=text_or_none(data.get("hint")), origin=origin,
+                   root_cause=root if isinstance(root, dict) else None,
+                   samples=samples if isinstance(samples, dict) else None,
+                   replay_ms=float(ms) if isinstance(ms, (int, float)) and not isinstance(ms, bool) else None)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object of PRODUCT.md (plus ``repeats`` and ``hint``)."""
+        """The JSON object of PRODUCT.md (plus ``repeats`` and ``hint``, and ``root_cause``, ``samples``
+        and ``replay_ms`` when the step was replayed to explain it).
+        """
         out: dict[str, Any] = {"kind": self.kind, "severity": self.severity, "step": self.step,
                                "layer": self.layer, "phase": self.phase, "message": self.message,
                                "action": self.action, "repeats": self.repeats}
         if self.hint:
             out["hint"] = self.hint
+        for key in ("root_cause", "samples", "replay_ms"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
     def where(self) -> str:
