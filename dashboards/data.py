@@ -315,7 +315,7 @@ def _explained(listed: list[explained.Item]) -> list[dict[str, Any]]:
             "severity": item.severity, "layer": item.layer, "phase": item.phase, "where": item.where,
             "message": item.message, "action": item.action, "outcome": item.outcome, "hint": item.hint,
             "repeats": item.repeats, "last_step": item.last_step, "restored_step": item.restored_step,
-            "remedies": list(kind.remedies),
+            "remedies": list(kind.remedies), "root_cause": [list(pair) for pair in item.root_cause],
         })
     return out
 

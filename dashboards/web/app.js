@@ -329,6 +329,8 @@
           el("span", { class: "where", text: f.where }),
           el("span", { class: "step", text: `step ${fmt(f.step)}${f.repeats > 1 ? ` · ×${f.repeats}` : ""}` })),
         el("p", { class: "message", text: f.message }),
+        f.root_cause && f.root_cause.length ? el("dl", { class: "rootcause" }, ...f.root_cause.flatMap(([k, v]) =>
+          [el("dt", { text: k }), k === "code" ? el("dd", {}, el("code", { text: v })) : el("dd", { text: v })])) : null,
         f.outcome ? el("p", { class: "outcome", text: `${f.action}: ${f.outcome}` }) : null,
         f.remedies.length ? el("details", {}, el("summary", { text: "what to try" }),
           el("ul", {}, ...f.remedies.map((r) => el("li", { text: r })))) : null);

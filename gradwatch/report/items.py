@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -11,6 +11,7 @@ import pandas as pd
 from gradwatch.findings import rank
 from gradwatch.report.remedies import explain
 from gradwatch.report.text import fmt
+from gradwatch.rootcause import words
 from gradwatch.store.reader import Run
 
 #: findings explained one by one (all are listed in the table)
@@ -18,7 +19,7 @@ MAX_CARDS = 200
 #: steps of history shown before (and after) a finding in its sparkline
 SPARK_BEFORE, SPARK_AFTER = 32, 8
 #: keys of a finding's data shown elsewhere (or not worth showing) in its evidence
-_NOT_EVIDENCE = {"hint", "repeats", "last_step", "outcome", "layers", "parameters", "origin", "type"}
+_NOT_EVIDENCE = {"hint", "repeats", "last_step", "outcome", "layers", "parameters", "origin", "type", "replay_ms"}
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Item:
     related: list[str]
     restored_step: int | None
     spark: Spark | None = None
+    #: the op, line, fact, cause and samples of its root cause (:func:`gradwatch.rootcause.words.rows`)
+    root_cause: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def where(self) -> str:
@@ -86,6 +89,9 @@ def _outcome(action: str | None, outcome: Any) -> tuple[str | None, int | None]:
         text = f"learning rate x{fmt(outcome.get('factor'))} (now {fmt(outcome.get('lr'))})"
     else:
         text = ", ".join(f"{k} {fmt(v)}" for k, v in outcome.items() if not isinstance(v, dict | list))
+    if outcome.get("samples_skipped"):
+        text += f"; sample{'s' if len(outcome['samples_skipped']) > 1 else ''} "
+        text += f"{', '.join(map(repr, outcome['samples_skipped'][:8]))} left out of the batches after it"
     return text, int(restored) if isinstance(restored, int | float) else None
 
 
@@ -112,7 +118,7 @@ def items(run: Run, findings: pd.DataFrame, scalars: pd.DataFrame | None = None)
             hint=data.get("hint") if isinstance(data.get("hint"), str) else None,
             repeats=int(data.get("repeats", 1) or 1),
             last_step=int(data["last_step"]) if isinstance(data.get("last_step"), int | float) else None,
-            outcome=outcome, evidence=evidence, related=related, restored_step=restored,
+            outcome=outcome, evidence=evidence, related=related, restored_step=restored, root_cause=words.rows(data),
         ))
     if scalars is not None:
         for item in card_order(out)[:MAX_CARDS]:

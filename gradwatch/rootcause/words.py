@@ -123,3 +123,47 @@ def blame_sentence(samples: dict[str, Any]) -> str:
 def data(origin: dict[str, Any]) -> dict[str, Any]:
     """What a finding's ``data`` keeps of an origin: ``root_cause``, ``samples`` and ``replay_ms``."""
     return {k: origin[k] for k in CARRIED if origin.get(k) is not None}
+
+
+def rows(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """A finding's root cause and samples as ``(label, text)`` rows for people (the report and the
+    dashboard): the op, the source line and its code, the fact, the cause, the samples with a summary
+    of each one's values, and the replay's cost. Empty when the finding has none.
+    """
+    import os
+
+    out: list[tuple[str, str]] = []
+    root: dict[str, Any] = data["root_cause"] if isinstance(data.get("root_cause"), dict) else {}
+    if root.get("op"):
+        where = ", ".join(x for x in (root.get("node"), root.get("phase")) if x)
+        op = f"{root['op']}" + (f" ({where})" if where else "") + (f" in {root['layer']}" if root.get("layer") else "")
+        out.append(("op", op))
+        if root.get("param"):
+            out.append(("parameter", f"the gradient of {root['param']}"))
+        if root.get("file"):
+            mine = "" if root.get("user_code", True) else " (inside torch: no line of yours ran it)"
+            out.append(("line", f"{os.path.basename(str(root['file']))}:{root.get('line')}{mine}"))
+            if root.get("code"):
+                out.append(("code", str(root["code"])))
+        if root.get("fact"):
+            out.append(("input fact", str(root["fact"])))
+    elif root.get("note"):
+        out.append(("op", str(root["note"])))
+    name = CAUSES.get(str(root.get("cause")))
+    if name is not None:
+        detail = root.get("cause_detail")
+        out.append(("cause", name + (f": {detail}" if detail else "")))
+    samples: dict[str, Any] = data["samples"] if isinstance(data.get("samples"), dict) else {}
+    blamed = samples_phrase(samples)
+    if blamed is not None:
+        share = samples.get("share")
+        carried = f", {share:.1%} of the step's" if isinstance(share, (int, float)) else ", by"
+        out.append(("samples", f"{blamed}{carried} {samples.get('how')}"))
+        out.extend(("sample values", str(v)) for v in samples.get("values") or [])
+    elif samples.get("spread"):
+        out.append(("samples", f"none to blame: the {samples.get('how')} is spread over the batch"))
+    elif samples.get("reason"):
+        out.append(("samples", f"none blamed: {samples['reason']}"))
+    if isinstance(data.get("replay_ms"), (int, float)):
+        out.append(("replay", f"{data['replay_ms']:g} ms"))
+    return out
