@@ -21,6 +21,7 @@ from gradwatch.findings import Cooldown, Finding
 from gradwatch.gate import text_or_none
 from gradwatch.options import Options
 from gradwatch.records import LAYER, PARAM, StepRecord
+from gradwatch.rootcause import words
 from gradwatch.rules import decide
 from gradwatch.store.reader import FINDING_COLUMNS, Run
 
@@ -76,6 +77,7 @@ def _origins(run: Run) -> dict[int, dict[str, Any]]:
                   "type": row.data.get("type"), "how": row.data.get("origin", "recorded")}
         if row.data.get("note"):
             origin["note"] = row.data["note"]
+        origin.update(words.data(row.data))  # the op, line, cause, samples and replay cost found then
         out[int(row.step)] = origin
     return out
 

@@ -104,3 +104,13 @@ def test_rows_of_a_finding_without_a_root_cause_are_empty() -> None:
     assert words.rows({"hint": "x", "repeats": 2}) == []
     spread = words.rows({"samples": {"indices": [], "how": "per-sample gradient norm (torch.func)", "spread": True}})
     assert spread == [("samples", "none to blame: the per-sample gradient norm (torch.func) is spread over the batch")]
+
+
+def test_check_rules_rejudges_with_the_root_cause_found_during_training(run: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "gradwatch.toml"
+    rules.write_text('[[rules]]\nwhen = "nonfinite"\ndo = "halt"\n', encoding="utf-8")
+    res = CliRunner().invoke(cli, ["check", str(run), "--rules", str(rules), "--format", "json"], prog_name="gradwatch")
+    rejudged = json.loads(res.stdout)["findings"][0]
+    recorded = gw.open_run(run).findings().iloc[0]
+    assert rejudged["action"] == "halt" and rejudged["message"] == recorded.message
+    assert rejudged["root_cause"] == recorded.data["root_cause"] and rejudged["samples"] == recorded.data["samples"]

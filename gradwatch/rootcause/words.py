@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 #: the keys of an origin (see :class:`gradwatch.origin.Tracker`) that a finding's data carries as they are
-CARRIED = ("root_cause", "samples", "replay_ms")
+CARRIED = ("root_cause", "samples", "replay_ms", "source")
 #: sample indices and ids named in a message at most
 NAMED = 5
 
