@@ -172,7 +172,8 @@ class Tracker:
             located = locate(model, cap, loss_finite)
             if located is not None:
                 return diagnose(model, cap, located, self.rng, self.reference)
-        return not_reproducible(len(self.captures))
+        own = any(cap.output is not None and not finite(cap.output) for cap in self.captures)
+        return not_reproducible(len(self.captures), "output" if own else "gradients")
 
     def explain(self, findings: list[Finding]) -> None:
         """Name the samples that carry a loss spike or an exploding step, on those findings

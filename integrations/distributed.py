@@ -59,7 +59,11 @@ def _key(finding: Finding) -> tuple[Any, ...]:
 
 
 def _born_here(finding: Finding) -> bool:
-    return finding.data.get("origin") == "replayed"
+    """The NaN/Inf was born on the rank that made this finding: its replay found the origin, or its own
+    output was NaN/Inf in a step whose replay stayed finite (a fault of this rank's, not reproducible).
+    """
+    root = finding.data.get("root_cause")
+    return finding.data.get("origin") == "replayed" or (isinstance(root, dict) and root.get("seen_in") == "output")
 
 
 class Group:

@@ -270,7 +270,7 @@ def test_module_that_fails_only_on_its_first_call_is_not_reproducible(run_dir: P
 
     row = only_nonfinite(run(model, run_dir, uniform_batch(3, plant)))
     root = row.data["root_cause"]
-    assert (root["cause"], row.data["origin"]) == ("not_reproducible", "attributed")
+    assert (root["cause"], row.data["origin"], root["seen_in"]) == ("not_reproducible", "attributed", "output")
     assert "rank" not in root and "samples" not in row.data
     assert "faulty hardware (silent data corruption)" in root["cause_detail"]
     assert row.message.startswith("NaN/Inf at step 3 did not come back when the step was replayed")

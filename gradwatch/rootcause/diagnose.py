@@ -23,14 +23,25 @@ def _rank() -> int | None:
     return None
 
 
-def not_reproducible(replayed: int) -> dict[str, Any]:
-    """The origin of a step whose replay stayed finite."""
+def not_reproducible(replayed: int, seen_in: str) -> dict[str, Any]:
+    """The origin of a step whose replay stayed finite.
+
+    Args:
+        replayed: how many forward calls were replayed.
+        seen_in: ``output`` when the step's own output was NaN/Inf (the fault happened here, in
+            the forward pass), ``gradients`` when only its gradients were (in backward, or, on
+            several ranks, arrived through the gradient all-reduce from another rank).
+    """
     rank = _rank()
     on = f" on rank {rank}" if rank is not None else ""
+    what = "the step's own output was NaN/Inf" if seen_in == "output" else "the step's gradients were NaN/Inf"
     detail = (f"the replay of the step{on} (same batch, same RNG state, {replayed} forward call(s)) stayed finite "
-              "where the step was not: a non-deterministic kernel, a race, or faulty hardware (silent data corruption)"
+              f"where {what}: a non-deterministic kernel, a race, or faulty hardware (silent data corruption)"
               "; a forward pass with side effects that a replay cannot repeat looks the same")
-    root: dict[str, Any] = {"cause": cause.NOT_REPRODUCIBLE, "cause_detail": detail}
+    if rank is not None and seen_in == "gradients":
+        detail += "; this rank's own output was finite, so the NaN/Inf may have come from another rank through " \
+                  "the gradient all-reduce"
+    root: dict[str, Any] = {"cause": cause.NOT_REPRODUCIBLE, "cause_detail": detail, "seen_in": seen_in}
     if rank is not None:
         root["rank"] = rank
     return {"how": "attributed", "root_cause": root,
