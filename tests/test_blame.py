@@ -77,7 +77,8 @@ def test_loss_spike_blames_the_one_outlier_sample(run_dir: Path, per_sample_loss
         assert f"Samples to blame: sample {SPIKE_ROW} (id {OUTLIER}) carries" in row.message
         assert samples["values"][0].startswith(f"sample {SPIKE_ROW} (id {OUTLIER}): 4 values, range [")
     spike = blamed[blamed.kind == "loss_spike"].iloc[0].data["samples"]
-    assert spike["how"] == ("per-sample loss (observed)" if per_sample_losses else "per-sample gradient norm (torch.func)")
+    by_grad = "per-sample gradient norm (torch.func)"
+    assert spike["how"] == ("per-sample loss (observed)" if per_sample_losses else by_grad)
     exploding = blamed[blamed.kind == "exploding"].iloc[0].data["samples"]
     assert exploding["how"] == "per-sample gradient norm (torch.func)"
 

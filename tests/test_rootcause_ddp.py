@@ -87,7 +87,8 @@ def test_a_fault_that_does_not_reproduce_names_its_rank(tmp_path: Path) -> None:
         found = stored.findings()
     row = found[found.kind == "nonfinite"].iloc[0]
     root = row.data["root_cause"]
-    assert (row.step, root["cause"], root["rank"], root["seen_in"]) == (BAD_STEP, "not_reproducible", BAD_RANK, "output")
+    assert (row.step, root["cause"], root["rank"]) == (BAD_STEP, "not_reproducible", BAD_RANK)
+    assert root["seen_in"] == "output"
     assert row.data["ranks"] == [0, 1] and row.data["born_on_rank"] == BAD_RANK
     assert "cause: not reproducible (the replay stayed finite on rank 1)" in row.message
     assert row.message.endswith("(born on rank 1 of 2)")

@@ -87,7 +87,8 @@ def test_report_shows_the_line_the_fact_and_the_samples_values(run: Path) -> Non
     assert "<dt>op</dt><dd>aten::log (forward) in 1</dd>" in html
     assert f"<dt>code</dt><dd><code>{CODE}</code></dd>" in html
     assert f"<dt>input fact</dt><dd>{FACT.replace(chr(39), '&#39;')}</dd>" in html
-    assert "<dt>samples</dt><dd>sample 4 (id &#39;row-2-4&#39;), by rows of the op&#39;s output that are NaN/Inf" in html
+    blamed = "sample 4 (id &#39;row-2-4&#39;), by rows of the op&#39;s output that are NaN/Inf"
+    assert f"<dt>samples</dt><dd>{blamed}" in html
     assert "<dt>sample values</dt><dd>sample 4 (id &#39;row-2-4&#39;): 4 values, range [" in html
     assert "<dt>replay</dt><dd>" in html
 

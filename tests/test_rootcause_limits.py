@@ -1,0 +1,205 @@
+"""Root cause, its limits: nothing runs on healthy steps, what cannot be replayed says why, and each
+fact about a culprit op is exact."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import gradwatch as gw
+from gradwatch.rootcause import facts
+from gradwatch.rootcause.frames import user_line
+
+
+class Spy(nn.Module):
+    """Notes, at each call, whether a torch function mode, a dispatch mode or anomaly mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, int, bool, bool]] = []
+        self.in_loop = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.in_loop, torch._C._len_torch_function_stack(), _get_current_dispatch_mode() is not None,
+                          torch.is_anomaly_enabled()))
+        return torch.log(x)
+
+
+def hooks(model: nn.Module) -> int:
+    """Every module hook on the model, and the global module hooks."""
+    from torch.nn.modules import module as m
+
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    own = sum(len(getattr(mod, name)) for mod in model.modules() for name in names)
+    return own + len(m._global_forward_hooks) + len(m._global_forward_pre_hooks) + len(m._global_backward_hooks)
+
+
+def test_no_mode_or_hook_outside_the_replay(run_dir: Path) -> None:
+    """Healthy steps run with no torch function or dispatch mode, no anomaly mode and no hook beyond the
+    watcher's own; the replay of the anomalous step does use them (the spy sees them), then removes all."""
+    spy = Spy()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid(), spy, nn.Linear(4, 1))
+    gw.watch(model, run=run_dir, console=False, rules=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    counts = []
+    for step in range(6):
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        counts.append(hooks(model))
+        spy.in_loop = True
+        out = model(x) if step != 3 else model[3](spy(-model[1](model[0](x))))  # log of a negative value
+        spy.in_loop = False
+        loss = F.mse_loss(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    counts.append(hooks(model))
+    gw.unwatch(model)
+    in_loop = [s for s in spy.seen if s[0]]
+    replayed = [s for s in spy.seen if not s[0]]
+    assert len(in_loop) == 6 and all(s[1:] == (0, False, False) for s in in_loop)
+    assert any(s[2] for s in replayed), "the op search runs under a dispatch mode"
+    assert len(set(counts)) == 1, counts  # the replay's hooks are all gone
+    assert torch._C._len_torch_function_stack() == 0 and _get_current_dispatch_mode() is None
+
+
+def plain(run_dir: Path, model: nn.Module, plant: str) -> dict:
+    """Train a few steps; at step 2 break the replay the way ``plant`` says; the finding's data."""
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        x, y = torch.rand(8, 4), torch.randn(8, 1)
+        if step == 2:
+            x[1, 0] = float("nan")
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if step == 2 and plant == "in_place":
+            x.nan_to_num_(0.0)  # the loop reuses the batch's memory before the step
+        opt.step()
+    gw.unwatch(model)
+    found = gw.open_run(run_dir).findings()
+    return found[found.kind == "nonfinite"].iloc[0]
+
+
+def test_inputs_changed_in_place_after_the_forward_are_not_replayed(run_dir: Path) -> None:
+    row = plain(run_dir, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), "in_place")
+    assert row.data["origin"] == "attributed" and "root_cause" not in row.data
+    assert row.data["note"] == "the step was not replayed: its input batch was changed in place after the forward pass"
+    assert "approximately: the step could not be replayed" in row.message and "replay_ms" not in row.data
+
+
+class Once(nn.Module):
+    """A forward with a side effect: a second call in the same step raises (a replay cannot run it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            raise RuntimeError("called twice in one step")
+        return x
+
+
+def test_a_forward_that_cannot_run_twice_falls_back_with_the_reason(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Once(), nn.Linear(4, 1))
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(3):
+        x, y = torch.rand(8, 4), torch.randn(8, 1)
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if step == 1:
+            model[0].weight.grad[0, 0] = float("inf")  # a NaN/Inf the step must be replayed to place
+        opt.step()
+        model[1].calls = 0  # the loop's own bookkeeping, once per step
+    gw.unwatch(model)
+    row = gw.open_run(run_dir).findings().iloc[0]
+    assert row.data["origin"] == "attributed"
+    assert row.data["note"] == "the step could not be replayed (RuntimeError: called twice in one step)"
+    assert row.data["replay_ms"] > 0
+
+
+# ------------------------------------------------------------------ facts
+
+def test_facts_of_forward_culprits() -> None:
+    x = torch.tensor([[-1.0, 0.0, 2.0], [3.0, 4.0, 5.0]])
+    assert facts.forward("log", None, [x], {}, torch.log(x)) == (
+        "1 of the input's 6 values is negative (min -1); 1 of the input's 6 values is exactly 0 (log 0 = -inf)")
+    assert facts.forward("sqrt", None, [x], {}, torch.sqrt(x)) == "1 of the input's 6 values is negative (min -1)"
+    z = torch.tensor([0.0, 4.0])
+    assert facts.forward("rsqrt", None, [z], {}, torch.rsqrt(z)) == (
+        "1 of the input's 2 values is exactly 0 (1/sqrt(0) = inf)")
+    assert facts.forward("div", None, [torch.tensor([0.0, 1.0]), z], {}, torch.tensor([0.0, 1.0]) / z) == (
+        "the divisor is 0 in 1 of its 2 values (0/0 in 1)")
+    assert facts.forward("div", None, [z, 0], {}, z / 0) == "divides by the constant 0"
+    big = torch.tensor([10.0, 100.0])
+    assert facts.forward("exp", None, [big], {}, torch.exp(big)) == (
+        "exp of values up to 100 overflows float32 (exp(x) > 3.4e+38 for x > 88.72)")
+    assert facts.forward("pow", None, [torch.tensor([-8.0, 1.0]), 0.5], {}, torch.tensor([-8.0, 1.0]) ** 0.5) == (
+        "a negative base to the fractional power 0.5: 1 of the 2 bases is negative (min -8)")
+    assert facts.forward("pow", None, [torch.tensor([1e20]), 3], {}, torch.tensor([1e20]) ** 3) == (
+        "|base|^3 overflows float32: the largest |base| is 1e+20")
+    rows = torch.zeros(2, 3, 4)
+    rows[1, 2] = -math.inf
+    assert facts.forward("_softmax", None, [rows, -1, False], {}, torch.softmax(rows, -1)) == (
+        "row [1, 2] of the input is all -inf (every position masked): softmax over it is 0/0")
+    half = torch.tensor([7e4])
+    assert facts.forward("_to_copy", None, [half], {}, half.half()) == (
+        "values up to 7e+04 are cast to float16, whose largest value is 6.55e+04 (|x| > 6.55e+04 overflows)")
+    a = torch.full((2, 2), 300.0, dtype=torch.float16)
+    assert facts.forward("mm", torch.ops.aten.mm.default, [a, a], {}, a @ a) == (
+        "float16 overflow: in float32 its result reaches 1.8e+05, beyond float16's largest value 6.55e+04 "
+        "(|x| > 6.55e+04 is inf)")
+    assert facts.forward("add", None, [z, z], {}, z + z) == "its inputs are finite (ranges [0, 4], [0, 4])"
+
+
+def test_facts_of_backward_culprits() -> None:
+    x = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    g = (torch.ones(2),)
+    assert facts.backward("LinalgVectorNormBackward0", "linalg_vector_norm", "norm", [x], g, None) == (
+        "the norm's gradient x/‖x‖ is 0/0 where the norm is 0: 1 of its 2 vectors is all zero")
+    s = torch.tensor([0.0, 1.0, 0.0])
+    assert facts.backward("SqrtBackward0", "sqrt", "sqrt", [s], g, None) == (
+        "sqrt's gradient 1/(2·sqrt(x)) is infinite at x = 0: 2 of its 3 inputs are 0")
+    assert facts.backward("PowBackward0", "pow", "pow", [s, 0.5], g, None) == (
+        "pow's gradient 0.5·x^(0.5-1) is infinite at x = 0: 2 of its 3 inputs are exactly 0")
+    inp, w = torch.full((4, 2), 200.0, dtype=torch.float16), torch.ones(3, 2, dtype=torch.float16)
+    grad = (torch.full((4, 3), 100.0, dtype=torch.float16),)
+    assert facts.backward("AddmmBackward0", "addmm", "linear", [inp, w], grad, "fc.weight") == (
+        "input^T @ grad_output overflows float16: max |input| 200 × max |grad| 100 summed over 4 rows reaches "
+        "8e+04 (largest float16: 6.55e+04)")
+
+
+def test_user_line_is_the_callers_line_outside_torch() -> None:
+    line = user_line()
+    assert line is not None and line.file == __file__ and line.code == "line = user_line()" and line.user
+
+
+def test_sqrt_of_a_negative_value_in_float32_is_checked_in_float64(run_dir: Path) -> None:
+    class Root(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sqrt()
+
+    model = nn.Sequential(nn.Linear(4, 4), Root(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    gw.watch(model, run=run_dir, console=False)
+    x = torch.rand(8, 4)
+    x[6, 3] = -4.0
+    F.mse_loss(model(x), torch.zeros(8, 1)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.01).step()
+    gw.unwatch(model)
+    row = gw.open_run(run_dir).findings().iloc[0]
+    root = row.data["root_cause"]
+    assert (root["op"], root["fact"], row.data["samples"]["indices"]) == (
+        "aten::sqrt", "1 of the input's 32 values is negative (min -4)", [6])
+    assert root["cause"] == "model" and root["precision_replay"] == "float64"
