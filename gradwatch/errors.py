@@ -19,6 +19,10 @@ class SchemaError(RunError):
     """A run store written by a newer gradwatch than the one reading it."""
 
 
+class DamagedStoreError(RunError):
+    """A run store holding what its writer could not have written (corrupted, truncated or edited)."""
+
+
 class TrainingHalted(RuntimeError):
     """Raised from ``optimizer.step()`` when a rule halts training, before the update is applied."""
 
@@ -38,3 +42,13 @@ class InternalWarning(GradwatchWarning):
 
 class PluginWarning(GradwatchWarning):
     """A plugin failed while training and is disabled for the rest of the run; training went on."""
+
+
+class GroupLeft(RuntimeError):
+    """gradwatch failed on some rank of a distributed run: every rank stops watching at the same step."""
+
+    def __init__(self, ranks: list[int], size: int) -> None:
+        which = ", ".join(map(str, ranks))
+        super().__init__(f"gradwatch failed on rank{'s' if len(ranks) > 1 else ''} {which} of {size}; "
+                         "every rank stops watching at this step")
+        self.ranks = ranks

@@ -18,7 +18,7 @@ from torch import nn
 from gradwatch import observed as obs
 from gradwatch import preclip, stats
 from gradwatch.control import LoopControl
-from gradwatch.errors import GradwatchWarning, RunError, TrainingHalted
+from gradwatch.errors import GradwatchWarning, GroupLeft, RunError, TrainingHalted
 from gradwatch.findings import Finding
 from gradwatch.iteration import Iteration, guarded
 from gradwatch.judge import Judge
@@ -197,6 +197,8 @@ class Lifecycle(Recording):
 
     def _measure(self, step: int, opt: torch.optim.Optimizer | None) -> Measured:
         """Launch the step's statistics and read them, with the observed values, in one host read."""
+        if self.group is not None:  # this step's collectives begin, on every rank alike
+            self.group.begin(step, len(self.found.params))
         if step == 0 and self.found.params[self.it.sentinel].grad is None:
             self.it.move_sentinel()
         sampled = self.sampled(step)
@@ -269,6 +271,8 @@ class Lifecycle(Recording):
             if self.group.due(record.step):
                 findings += self.group.check_replicas(record.step, self.found.params, self.owners())
             findings = self.group.share(findings)
+            if self.group.departed:  # gradwatch failed on some rank: every rank stops watching, now
+                raise GroupLeft(self.group.departed, self.group.size)
         return findings
 
     def _act(self, record: StepRecord, findings: list[Finding], measured: Measured) -> None:

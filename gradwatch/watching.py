@@ -14,7 +14,7 @@ from torch import nn
 from gradwatch import observed, origin, startup, verdict
 from gradwatch.config import Config
 from gradwatch.control import LoopControl
-from gradwatch.errors import GradwatchError, InternalWarning, TrainingHalted
+from gradwatch.errors import GradwatchError, GroupLeft, InternalWarning, TrainingHalted
 from gradwatch.judge import Judge
 from gradwatch.layout import discover
 from gradwatch.lifecycle import Lifecycle
@@ -307,12 +307,20 @@ class Watcher:
         """
         if self.detached:
             return
+        group = self._steps.group
+        if group is not None and not group.departed:  # the other ranks must learn of it in a collective
+            if not group.in_step:
+                if not group.leaving:
+                    log.error("gradwatch: internal error on rank %d (%r); every rank stops watching at the "
+                              "next step", group.rank, exc)
+                group.leaving = True  # told at the next step's share; until then the step goes on as usual
+                return
+            group.leave()  # now: this step's remaining collectives, with nothing of this rank's own
         self.detached = True
         self._steps.abandon()
         self.close("crashed")
-        warnings.warn(
-            f"gradwatch stopped watching after an internal error ({exc!r}); training continues unwatched. "
-            f"The run so far is in {str(self.run_dir)!r}.",
-            InternalWarning,
-            stacklevel=3,
-        )
+        if isinstance(exc, GroupLeft):
+            what = f"{exc}; training continues unwatched"
+        else:
+            what = f"gradwatch stopped watching after an internal error ({exc!r}); training continues unwatched"
+        warnings.warn(f"{what}. The run so far is in {str(self.run_dir)!r}.", InternalWarning, stacklevel=3)

@@ -79,6 +79,34 @@ class Group:
         self.tolerance = tolerance
         # findings and checksums are host data: keep them off an NCCL group (no device sync)
         self._pg = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        #: gradwatch failed on this rank: the next :meth:`share` tells every rank, and all leave together
+        self.leaving = False
+        #: the ranks that left at the last :meth:`share` (every rank then stops watching)
+        self.departed: list[int] = []
+        self._share_pending = False
+        self._replicas_pending = False
+        self._params = 0
+
+    def begin(self, step: int, params: int) -> None:
+        """A step's collectives begin (on every rank alike): replica check when due, then :meth:`share`."""
+        self._share_pending, self._replicas_pending, self._params = True, self.due(step), params
+
+    @property
+    def in_step(self) -> bool:
+        """Whether this rank began a step whose :meth:`share` the other ranks still wait for."""
+        return self._share_pending
+
+    def leave(self) -> None:
+        """Leave in the middle of a step, after gradwatch failed on this rank: take part in the remaining
+        collectives of the step with nothing of its own, saying that it leaves, so no rank waits for it.
+        """
+        self.leaving = True
+        if self._replicas_pending:
+            self._replicas_pending = False
+            mine = torch.zeros(2 * self._params, dtype=torch.float64)
+            self._dist.all_gather([torch.empty_like(mine) for _ in range(self.size)], mine, group=self._pg)
+        if self._share_pending:
+            self.share([])
 
     @property
     def writes(self) -> bool:
@@ -92,9 +120,14 @@ class Group:
         the ranks that made it in ``data["ranks"]``; a non-finite finding is kept once per step,
         from the rank where the NaN/Inf was born (its origin was found by replay) when there is one.
         """
-        count = torch.tensor([len(findings)], dtype=torch.int64)
-        self._dist.all_reduce(count, group=self._pg)
-        if int(count.item()) == 0:
+        self._share_pending = False
+        # one all-reduce: how many findings in all, and which ranks leave (gradwatch failed there)
+        status = torch.zeros(1 + self.size, dtype=torch.int64)
+        status[0] = len(findings)
+        status[1 + self.rank] = int(self.leaving)
+        self._dist.all_reduce(status, group=self._pg)
+        self.departed = [r for r in range(self.size) if int(status[1 + r])]
+        if int(status[0]) == 0:
             return []
         gathered: list[Any] = [None] * self.size
         self._dist.all_gather_object(gathered, [dataclasses.asdict(f) for f in findings], group=self._pg)
@@ -164,6 +197,7 @@ class Group:
         """
         from gradwatch.measure import sharded
 
+        self._replicas_pending = False
         if not params or sharded(list(params)):  # FSDP: each rank holds other shards, nothing to compare
             return []
         detached = [p.detach() for p in params]

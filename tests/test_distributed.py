@@ -51,6 +51,8 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
             options.update(replica_check_every=4)
         if scenario == "halt":
             options.update(rules=[gw.Rule(when="nonfinite", do="halt")])
+        if scenario.startswith("fail") and rank == 1:
+            plant_failure(scenario)
         gw.watch(ddp, run=run, **options)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
@@ -77,6 +79,9 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
             if scenario == "divergence" and rank == 1 and step == 6:
                 with torch.no_grad():
                     model[2].bias.add_(1.0)  # a rank-dependent update outside DDP
+        if scenario.startswith("fail"):
+            watcher = gw.watcher(ddp)
+            result.update(detached=watcher.detached, watched_steps=watcher.step)
         gw.unwatch(ddp)
         result["changed"] = {str(k): v[0] for k, v in weights.items()}
         result["weight_sum"] = float(sum((p.full_tensor() if scenario == "fsdp" else p).detach().double().sum()
@@ -88,6 +93,37 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def plant_failure(scenario: str) -> None:
+    """A bug in gradwatch on this rank only, at step 5: inside the step (before the ranks share
+    their findings) or between steps (in the optimizer's step post-hook, after they shared).
+    """
+    import warnings
+
+    from gradwatch.iteration import guarded
+    from gradwatch.judge import Judge
+    from gradwatch.recording import Recording
+
+    warnings.simplefilter("always")
+    if scenario == "fail_in_step":
+        check = Judge.check
+
+        def broken_check(self: Judge, record: Any) -> Any:
+            if record.step == 5:
+                raise RuntimeError("planted bug on rank 1 (in the step)")
+            return check(self, record)
+
+        Judge.check = broken_check  # type: ignore[method-assign]
+    else:
+        post = Recording.step_post
+
+        def broken_post(self: Recording, opt: Any) -> Any:
+            if self.open is not None and self.open.record.step == 5:
+                raise RuntimeError("planted bug on rank 1 (between steps)")
+            return post(self, opt)
+
+        Recording.step_post = guarded(broken_post)  # type: ignore[method-assign]  # as gradwatch's hooks are
 
 
 def launch(tmp_path: Path, scenario: str) -> tuple[Path, list[dict[str, Any]]]:
@@ -172,3 +208,17 @@ def test_fsdp_per_parameter_norms_are_the_whole_gradients(tmp_path: Path) -> Non
     for step in range(STEPS):  # the global norm of every step is the whole model's
         expected = sum(v ** 2 for v in full[str(step)].values()) ** 0.5
         assert global_norm[step] == pytest.approx(expected, rel=1e-5), step
+
+
+@pytest.mark.parametrize(("scenario", "left_at"), [("fail_in_step", 5), ("fail_between_steps", 6)])
+def test_gradwatch_failing_on_one_rank_stops_it_on_every_rank_at_the_same_step(
+        tmp_path: Path, scenario: str, left_at: int) -> None:
+    run, results = launch(tmp_path, scenario)  # no rank hangs in a collective (launch asserts it)
+    for r in results:
+        assert len(r["changed"]) == STEPS, f"rank {r['rank']} stopped training"
+        assert r["detached"] is True, f"rank {r['rank']} still watches"
+        assert r["watched_steps"] == left_at + 1, (r["rank"], r["watched_steps"])
+    assert results[0]["weight_sum"] == pytest.approx(results[1]["weight_sum"], rel=1e-9)  # DDP stayed in sync
+    with gw.open_run(run) as opened:
+        assert opened.status == "crashed"
+        assert opened.steps == left_at
