@@ -23,6 +23,8 @@ HINT_DIVERGE = (
 
 #: losses whose median is the current level of the loss (a single spike does not move it)
 LEVEL = 3
+#: the most that noisy first losses widen the divergence bound to (times the lowest of them)
+NOISY = 3.0
 
 
 @dataclass
@@ -36,8 +38,9 @@ class LossSpike(Detector):
     a loss that stays high for ``adapt_after`` steps is a new level, which the window then accepts.
 
     A divergence, judged from the fourth step on (no other history needed): the loss level, the
-    median of the last 3 losses, above ``diverge`` times the median of the first ``start``
-    losses (more when those first losses are noisy: ``1 + 2 x`` their range over their median).
+    median of the last 3 losses, above ``diverge`` times the lowest of the first ``start``
+    losses (more when those first losses are noisy: ``1 + 2 x`` their range over the lowest,
+    at most 3).
     A high loss level within ``adapt_after`` steps of a reported spike is that spike's. Not
     judged for a loss that was ever zero or negative (a policy-gradient loss has no scale to
     diverge from). It names a learning rate that is too high, unless the ``learning_rate``
@@ -125,12 +128,12 @@ class LossSpike(Detector):
         return spike, math.exp(center), math.exp(center) * math.expm1(spread)
 
     def _divergence(self) -> tuple[float | None, float]:
-        """The loss level when it has diverged from the first losses (else None), and their median."""
+        """The loss level when it has diverged from the first losses (else None), and the lowest of them."""
         first = self._first
         if len(first) < self.start or self._signed or len(self._recent) < LEVEL:
             return None, math.nan
-        base = _median(first)
-        limit = base * max(self.diverge, 1.0 + 2.0 * (max(first) - min(first)) / base)
+        base = min(first)  # the start: a first loss that is already diverging does not count as one
+        limit = base * max(self.diverge, min(1.0 + 2.0 * (max(first) - base) / base, NOISY))
         level = _median(list(self._recent))
         return (level if level > limit else None), base
 
