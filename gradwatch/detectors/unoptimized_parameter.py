@@ -25,6 +25,9 @@ HINT_ZERO = (
 MOVING = 1e-4
 #: a parameter whose gradient, relative to its weights, is below this fraction of the median one is not judged
 TINY = 1e-3
+#: per-parameter vector, when the record carries it: 1 where an optimizer that stepped the model holds the
+#: parameter, 0 where none does
+HELD = "optimizer_held"
 
 
 @dataclass
@@ -38,6 +41,12 @@ class UnoptimizedParameter(Detector):
     group with learning rate 0).
     One finding for all the parameters found on the same step for the same reason, at the layer
     of the first of them.
+
+    Not being held by any optimizer is inferred from an update that was not measured; when the
+    record carries the per-parameter ``optimizer_held`` vector (1 where an optimizer that stepped
+    the model holds the parameter, 0 where none does), it is read from it instead (an optimizer
+    that steps only on some iterations, such as a GAN's generator, also leaves an update
+    unmeasured).
 
     Attributes:
         patience: consecutive sampled steps a parameter is not updated before it is reported.
@@ -71,11 +80,13 @@ class UnoptimizedParameter(Detector):
         usual = np.median(pull[moved & np.isfinite(pull)]) if (moved & np.isfinite(pull)).any() else 0.0
         judged = (np.asarray(layout.trainable, dtype=bool) & (weights > 0) & np.isfinite(pull)
                   & (pull >= TINY * usual) & (grad > 0))
-        stuck = judged & ~moved
+        held = record.vector(HELD, PARAM)
+        unheld = np.isnan(ratio) if held is None else held == 0
+        stuck = judged & ~moved & ((ratio == 0) | unheld)
         self._runs = np.where(stuck, self._runs + 1, 0)
         out = []
         for zero in (False, True):
-            idx = np.flatnonzero(stuck & (ratio == 0 if zero else np.isnan(ratio)))
+            idx = np.flatnonzero(stuck & (ratio == 0 if zero else unheld))
             due = idx[self._runs[idx] == self.patience]
             if len(due):
                 out.append(self._report(record, due, zero))

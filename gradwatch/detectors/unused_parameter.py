@@ -99,27 +99,31 @@ def group(layout: Layout, layers: list[str]) -> list[tuple[str, list[str]]]:
 
     Two or more layers that are all the parameter-owning layers of a module become that module
     (repeatedly, upwards); two or more side by side in a module (not the model itself) become
-    one group under it; any other layer is a group of its own.
+    one group under it; any other layer is a group of its own. A layer (or module) that is the
+    only parameter-owning part of its parent counts as that parent when siblings are compared
+    (``block.down.conv`` sits beside ``block.conv1``).
     """
-    groups: dict[str, list[str]] = {layer: [layer] for layer in layers}
-    merged = True
-    while merged:
-        merged = False
+    def lift(path: str) -> str:
+        own = _owning(layout, path)
+        while _parent(path) and _owning(layout, _parent(path)) == own:
+            path = _parent(path)
+        return path
+
+    groups: dict[str, tuple[str, list[str]]] = {lift(layer): (layer, [layer]) for layer in layers}
+    while True:  # merge siblings that make up all of their module
         by_parent: dict[str, list[str]] = {}
-        for key in groups:
-            by_parent.setdefault(_parent(key), []).append(key)
-        for parent, keys in by_parent.items():
-            covered = [layer for key in keys for layer in groups[key]]
-            if parent and len(keys) >= 2 and _owning(layout, parent) == set(covered):
-                for key in keys:
-                    del groups[key]
-                groups[parent] = covered
-                merged = True
-                break
+        for anchor in groups:
+            by_parent.setdefault(_parent(anchor), []).append(anchor)
+        full = next(((parent, keys) for parent, keys in by_parent.items() if parent and len(keys) >= 2
+                     and _owning(layout, parent) == {m for k in keys for m in groups[k][1]}), None)
+        if full is None:
+            break
+        parent, keys = full
+        groups[lift(parent)] = (parent, [m for k in keys for m in groups.pop(k)[1]])
     out: dict[str, list[str]] = {}
-    for key, members in groups.items():
-        parent = _parent(key)
-        siblings = [k for k in groups if _parent(k) == parent]
-        out.setdefault(parent if parent and len(siblings) >= 2 else key, []).extend(members)
+    for anchor, (name, members) in groups.items():
+        parent = _parent(anchor)
+        shared = bool(parent) and sum(_parent(a) == parent for a in groups) >= 2
+        out.setdefault(parent if shared else name, []).extend(members)
     order = {name: i for i, name in enumerate(layout.layers)}
     return sorted(((k, sorted(v, key=order.__getitem__)) for k, v in out.items()), key=lambda kv: order[kv[1][0]])

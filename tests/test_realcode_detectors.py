@@ -1,0 +1,175 @@
+"""The issue 15 detector logic on hand-made records (fast, exact), and on real-code runs re-judged offline."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gradwatch as gw
+from gradwatch import detectors
+from gradwatch.detectors.causes import EXPLOSION, LR_HIGH
+from gradwatch.detectors.learning_rate import LearningRate
+from gradwatch.detectors.loss_spike import LossSpike
+from gradwatch.detectors.unoptimized_parameter import HELD, UnoptimizedParameter
+from gradwatch.detectors.unused_parameter import group
+from gradwatch.detectors.zero_gradient import ZeroGradient
+from gradwatch.records import LAYER, PARAM, Layout, StepRecord
+from gradwatch.rejudge import rejudge
+
+from .realcode import gpt, reinforce, resnet
+
+
+def layout(layers: dict[str, int]) -> Layout:
+    """One parameter per layer, ``{layer: numel}``, every one trainable."""
+    names = tuple(layers)
+    return Layout(version=1, layers=names, layer_types=("Linear",) * len(names),
+                  layer_numel=tuple(layers.values()), params=tuple(f"{n}.weight" for n in names),
+                  param_numel=tuple(layers.values()), owners=tuple((i, i) for i in range(len(names))),
+                  leaves=tuple(range(len(names))), trainable=(True,) * len(names))
+
+
+def record(lay: Layout, step: int = 0, scalars: dict[str, float] | None = None, **vectors: Any) -> StepRecord:
+    """``vectors`` by metric name, the same values for the layer and the parameter scope."""
+    out = {}
+    for metric, values in vectors.items():
+        v = np.asarray(values, dtype=np.float32)
+        out[(LAYER, metric)] = out[(PARAM, metric)] = v
+    return StepRecord(step=step, time=0.0, layout=lay, scalars=scalars or {}, vectors=out, sampled=True)
+
+
+# ----------------------------------------------------------------------- learning_rate
+def test_a_small_output_layer_rescaling_itself_is_not_a_learning_rate_too_high() -> None:
+    """Half the parameters move by 3%: the head's 0.63 is not the model's learning rate (SGD regression)."""
+    lay = layout({"hidden": 288, "head": 33})
+    found = LearningRate().check(record(lay, update_ratio=[0.031, 0.63], param_norm=[3.2, 0.58],
+                                        grad_norm=[1.0, 5.0], grad_nonfinite=[0, 0]))
+    assert found == []
+
+
+def test_most_weights_rewritten_is_a_learning_rate_too_high_naming_the_largest() -> None:
+    lay = layout({"attn": 6912, "proj": 2304, "ln": 96})
+    found = LearningRate().check(record(lay, update_ratio=[0.46, 0.93, 0.009], param_norm=[1.0, 0.5, 9.8],
+                                        grad_norm=[1.0, 1.0, 1.0], grad_nonfinite=[0, 0, 0], scalars={"lr": 0.009}))
+    assert [(f.kind, f.layer, f.value) for f in found] == [("learning_rate", "proj", pytest.approx(0.93))]
+    assert found[0].message.startswith("learning rate too high for proj (Linear): update is 0.93x the weights at "
+                                       "step 0 (half the weights move by 0.46x or more")
+
+
+def test_a_large_update_on_a_step_whose_gradient_exploded_is_the_explosions() -> None:
+    lay = layout({"attn": 6912, "proj": 2304})
+    detector = LearningRate()
+    detector.causes.note(EXPLOSION, 0)
+    assert detector.check(record(lay, update_ratio=[0.46, 0.93], param_norm=[1.0, 0.5], grad_norm=[1.0, 1.0],
+                                 grad_nonfinite=[0, 0])) == []
+
+
+def test_weights_growing_geometrically_name_the_learning_rate() -> None:
+    lay = layout({"a": 100, "b": 100})
+    detector = LearningRate()
+    common = {"update_ratio": [0.05, 0.05], "grad_norm": [1.0, 1.0], "grad_nonfinite": [0, 0]}
+    assert detector.check(record(lay, 0, param_norm=[1.0, 1.0], **common)) == []
+    (found,) = detector.check(record(lay, 10, param_norm=[1.2, 3.0], **common))
+    assert (found.kind, found.layer, found.data["evidence"]) == ("learning_rate", "b", "weight_growth")
+    assert "its weights grew 3x in 10 steps up to step 10 (the whole model's 2.28x" in found.message
+
+
+def test_loss_divergence_after_the_learning_rate_was_named_is_not_a_second_finding() -> None:
+    """Detectors built together share the causes they named: one cause, one finding."""
+    built = {d.kind: d for d in detectors.build()}
+    assert built["loss_spike"].causes is built["learning_rate"].causes
+    built["learning_rate"].causes.note(LR_HIGH, 0)
+    lay = layout({"a": 10})
+    found = [f for step, loss in enumerate([4.1, 4.1, 4.2, 8.0, 9.0, 9.5])
+             for f in built["loss_spike"].check(record(lay, step, scalars={"loss": loss}))]
+    assert found == []
+    alone = LossSpike()  # built on its own: a private record of causes
+    found = [f for step, loss in enumerate([4.1, 4.1, 4.2, 8.0, 9.0, 9.5])
+             for f in alone.check(record(lay, step, scalars={"loss": loss}))]
+    assert [(f.step, f.data["divergence"]) for f in found] == [(4, True)]
+
+
+def test_a_loss_that_can_be_negative_never_diverges() -> None:
+    """A policy-gradient loss: no scale to diverge from."""
+    lay = layout({"a": 10})
+    detector = LossSpike()
+    losses = [-0.16, 0.01, -0.44, 0.44, 0.08, 0.46, 2.1, 0.9, 0.92]
+    assert [f for step, loss in enumerate(losses) for f in detector.check(record(lay, step, scalars={"loss": loss}))] \
+        == []
+
+
+# ------------------------------------------------------------------ unoptimized_parameter
+def test_a_parameter_no_optimizer_holds_is_inferred_from_its_unmeasured_update() -> None:
+    lay = layout({"a": 100, "b": 100, "c": 100})
+    found = UnoptimizedParameter().check(record(lay, update_ratio=[0.01, np.nan, 0.0], grad_norm=[1.0, 1.0, 1.0],
+                                                param_norm=[1.0, 1.0, 1.0]))
+    assert [(f.layer, f.data["reason"]) for f in found] == [("b", "not_in_optimizer"), ("c", "zero_update")]
+
+
+def test_optimizer_membership_is_read_from_the_record_when_it_carries_it() -> None:
+    """An optimizer that did not step this iteration (a GAN's generator) is not 'no optimizer'."""
+    lay = layout({"a": 100, "b": 100, "c": 100})
+    found = UnoptimizedParameter().check(record(lay, update_ratio=[0.01, np.nan, np.nan], grad_norm=[1.0, 1.0, 1.0],
+                                                param_norm=[1.0, 1.0, 1.0], **{HELD: [1.0, 1.0, 0.0]}))
+    assert [(f.layer, f.data["parameters"]) for f in found] == [("c", ["c.weight"])]
+
+
+def test_nothing_moving_or_updates_too_small_to_tell_from_rounding_are_not_judged() -> None:
+    lay = layout({"a": 100, "b": 100})
+    detector = UnoptimizedParameter()
+    assert detector.check(record(lay, update_ratio=[0.0, 0.0], grad_norm=[1.0, 1.0], param_norm=[1.0, 1.0])) == []
+    assert detector.check(record(lay, update_ratio=[5e-6, 0.0], grad_norm=[1.0, 1.0], param_norm=[1.0, 1.0])) == []
+
+
+# -------------------------------------------------------------------------- zero_gradient
+def test_every_gradient_exactly_zero_is_one_error_after_patience() -> None:
+    lay = layout({"a": 10, "b": 10})
+    detector = ZeroGradient()
+    found = [f for step in range(5) for f in detector.check(record(lay, step, scalars={"loss": 1.0},
+                                                                   grad_norm=[0.0, 0.0]))]
+    assert [(f.step, f.severity, f.layer) for f in found] == [(2, "error", None)]
+    assert ZeroGradient().check(record(lay, scalars={"loss": 0.0}, grad_norm=[0.0, 0.0])) == []
+
+
+# ------------------------------------------------------------------------ unused_parameter
+@pytest.mark.parametrize(("unused", "expected"), [
+    (["block.conv1", "block.bn1"], [("block", ["block.conv1", "block.bn1"])]),  # a branch of a block
+    (["block.conv1", "block.bn1", "block.down.conv"], [("block", ["block.conv1", "block.bn1", "block.down.conv"])]),
+    (["head2.fc1", "head2.fc2"], [("head2", ["head2.fc1", "head2.fc2"])]),  # a whole submodule
+    (["enc.0"], [("enc.0", ["enc.0"])]),  # a lone layer keeps its own name
+    (["enc.0", "extra"], [("enc.0", ["enc.0"]), ("extra", ["extra"])]),  # unrelated: one finding each
+])
+def test_unused_layers_are_grouped_by_where_they_sit(unused: list[str], expected: list[tuple[str, list[str]]]) -> None:
+    lay = layout({"enc.0": 10, "block.conv1": 10, "block.bn1": 10, "block.down.conv": 10, "block.out": 10,
+                  "head2.fc1": 10, "head2.fc2": 10, "extra": 10})
+    assert group(lay, unused) == expected
+
+
+# --------------------------------------------------------- real code, re-judged offline
+@pytest.fixture
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("_one_thread")
+@pytest.mark.parametrize(("script", "config"), [
+    (gpt, {"lr_scale": 1000, "max_iters": 30}),
+    (resnet, {"dead_block": "layer1.0", "steps": 25}),
+    (resnet, {"frozen_bn": True, "steps": 25}),
+    (reinforce, {"dead_bias": -100.0, "episodes": 25}),
+], ids=["gpt-lr-1000x", "resnet-dead-block", "resnet-frozen-bn", "reinforce-dead"])
+def test_real_code_findings_are_the_same_re_judged_offline(script: Any, config: dict[str, Any],
+                                                           tmp_path: Path) -> None:
+    """The detectors that share causes reach the same findings live and over the stored run."""
+    script.train(script.Config(run=tmp_path / "run", **config))
+    with gw.open_run(tmp_path / "run") as run:
+        live, again = run.findings(), rejudge(run)
+    key = ["step", "kind", "severity", "layer"]
+    assert len(live) and again[key].fillna("-").values.tolist() == live[key].fillna("-").values.tolist()
