@@ -46,6 +46,9 @@ log = logging.getLogger("gradwatch")
 
 #: finding kinds whose samples are blamed by per-sample replays (loss spikes and exploding steps)
 BLAMED = {"loss_spike": True, "exploding": False}  # kind -> whether observed per-sample losses are preferred
+#: a kind's samples are blamed at most once per this many steps (a run that keeps exploding pays for
+#: one per-sample replay per window, not one per step)
+BLAME_COOLDOWN = 100
 
 
 def _collective(model: nn.Module) -> bool:
@@ -86,6 +89,7 @@ class Tracker:
         self._kinds = devices(inner)
         self._pending: dict[str, tuple[Any, bool]] = {}
         self._user_ids = False
+        self._blamed: dict[str, int] = {}  # kind -> the step its samples were last blamed at
         #: every parameter's norm when watching began (names the weights that grew)
         self.reference = reference_norms(inner)
 
@@ -179,7 +183,8 @@ class Tracker:
         """Name the samples that carry a loss spike or an exploding step, on those findings
         (``data["samples"]``, ``data["replay_ms"]`` and a sentence of the message).
         """
-        wanted = [f for f in findings if f.kind in BLAMED and f.severity != "info"]
+        wanted = [f for f in findings if f.kind in BLAMED and f.severity != "info"
+                  and f.step - self._blamed.get(f.kind, -BLAME_COOLDOWN) >= BLAME_COOLDOWN]
         model = self._model()
         if not wanted or model is None or not self.captures or any(cap.modified() for cap in self.captures):
             return
@@ -189,6 +194,7 @@ class Tracker:
             if losses not in done:
                 done[losses] = self._blame(model, losses)
             samples, ms = done[losses]
+            self._blamed[f.kind] = f.step
             f.data["samples"] = samples
             f.data["replay_ms"] = ms
             f.message = f"{f.message.rstrip()} {words.blame_sentence(samples)}"

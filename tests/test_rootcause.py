@@ -357,3 +357,19 @@ def test_replay_leaves_autocast_rng_and_buffers_as_they_were(run_dir: Path, dtyp
     row = only_nonfinite(gw.open_run(run_dir).findings())
     assert (row.layer, row.data["root_cause"]["op"], row.data["root_cause"]["cause"]) == ("1", "aten::exp", "model")
     assert row.data["samples"]["indices"] == [0] and row.data["replay_ms"] > 0
+
+
+@pytest.mark.slow  # a real training script: a small GPT, 21 iterations under bf16 autocast
+def test_gpt_trainer_with_a_fully_masked_attention_row(tmp_path: Path) -> None:
+    """The issue's own case: a left-padded sample whose first query may attend to nothing."""
+    from .realcode import gpt
+
+    result = gpt.train(gpt.Config(run=tmp_path / "run", pad_at=20, max_iters=21))
+    found = [f for f in result.findings() if f["kind"] == "nonfinite"]
+    assert [(f["step"], f["layer"], f["phase"]) for f in found] == [(20, "transformer.h.0.attn", "forward")]
+    root, samples = found[0]["data"]["root_cause"], found[0]["data"]["samples"]
+    assert (root["op"], Path(root["file"]).name, root["code"]) == ("aten::_softmax", "gpt.py",
+                                                                   "att = F.softmax(att, dim=-1)")
+    assert root["fact"].startswith("row [0, 0, 0] of the input is all -inf (every position masked)")
+    assert root["cause"] == "model" and "grew" not in root and samples["indices"] == [0]
+    assert found[0]["message"].startswith("NaN born in `aten::_softmax` at gpt.py:")

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ DATA, PRECISION, NOT_REPRODUCIBLE, MODEL = "data", "precision", "not_reproducibl
 GREW = 4.0
 #: parameters named at most
 NAMED = 3
+#: the smallest per-element RMS growth is measured from
+FLOOR = 0.01
 
 
 def low_precision(autocast: Autocast, module: nn.Module, call: dict[str, Any], output: Any) -> bool:
@@ -75,17 +78,21 @@ def replay_wider(module: nn.Module, call: dict[str, Any], located: Located, rng:
 
 
 def grown(model: nn.Module, reference: dict[str, float]) -> list[dict[str, Any]]:
-    """The parameters whose norm grew by more than :data:`GREW` times since ``reference`` was taken."""
-    named = [(n, p) for n, p in model.named_parameters() if n in reference]
+    """The parameters whose norm grew by more than :data:`GREW` times since ``reference`` was taken.
+
+    Growth is measured from at least an RMS of :data:`FLOOR` per element, so that a bias that
+    starts at zero and learns small values is not "grown".
+    """
+    named = [(n, p) for n, p in model.named_parameters() if n in reference and p.numel()]
     if not named:
         return []
     with torch.no_grad():
         now = torch.stack([p.detach().float().norm() for _, p in named]).cpu().tolist()
     out = []
-    for (name, _), value in zip(named, now):
+    for (name, p), value in zip(named, now):
         before = reference[name]
-        ratio = value / before if before > 0 else (float("inf") if value > 0 else 1.0)
-        if ratio > GREW or value != value:
+        ratio = value / max(before, FLOOR * math.sqrt(p.numel()))
+        if ratio > GREW or not math.isfinite(value):
             out.append({"param": name, "from": before, "to": value, "ratio": ratio})
     out.sort(key=lambda d: -d["ratio"] if d["ratio"] == d["ratio"] else float("-inf"))
     return out[:NAMED]

@@ -9,7 +9,7 @@ import torch
 
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.facts import g
-from gradwatch.rootcause.state import floats
+from gradwatch.rootcause.state import floats, tensors
 
 #: a blamed set of samples is "concentrated" when it is at most this fraction of the batch (or one sample)
 FEW = 0.1
@@ -66,12 +66,18 @@ def concentrated(scores: torch.Tensor) -> list[int] | None:
     return sorted(int(i) for i in order[:k])
 
 
-def _input(cap: Capture) -> torch.Tensor | None:
-    """The batch's first floating-point input with a batch dimension, as ``[batch, -1]``."""
+def _input(cap: Capture, numbers: bool = False) -> torch.Tensor | None:
+    """The batch's first floating-point input with a batch dimension, as ``[batch, -1]`` (with
+    ``numbers``, else its first integer one: token ids, class indices).
+    """
     batch = cap.batch
     if batch is None:
         return None
-    for t in floats((cap.args, cap.kwargs)):
+    found = [t for t in floats((cap.args, cap.kwargs))]
+    if numbers:
+        found += [t for t in tensors((cap.args, cap.kwargs)) if not (t.is_floating_point() or t.is_complex())
+                  and t.dtype != torch.bool]
+    for t in found:
         rows = per_sample(t, batch)
         if rows is not None:
             return rows
@@ -96,7 +102,7 @@ def outliers(cap: Capture, indices: list[int]) -> str | None:
 
 def describe(cap: Capture, indices: list[int]) -> list[str]:
     """A summary of each blamed sample's input values (first :data:`DESCRIBED`)."""
-    rows = _input(cap)
+    rows = _input(cap, numbers=True)
     if rows is None:
         return []
     out = []

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -116,13 +118,15 @@ class Rng:
 
 @contextlib.contextmanager
 def preserved(model: nn.Module, rng: Rng) -> Iterator[None]:
-    """Replay inside the block; afterwards buffers (BatchNorm statistics), RNG state and ``inplace``
-    flags are as they were, and autocast is as the caller had it (each replay enters its own).
+    """Replay inside the block; afterwards buffers (BatchNorm statistics), RNG states (torch, CUDA,
+    numpy, ``random``) and ``inplace`` flags are as they were, and autocast is as the caller had it
+    (each replay enters its own).
 
     In-place activations are switched off during the replay: full backward hooks refuse in-place
     outputs. ``.grad`` is never touched by a replay (it uses ``torch.autograd.grad``).
     """
     saved_rng = rng.get()
+    saved_py, saved_np = random.getstate(), np.random.get_state()  # a forward may draw from them too
     with torch.no_grad():
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
     inplace = [m for m in model.modules() if getattr(m, "inplace", None) is True]
@@ -139,5 +143,7 @@ def preserved(model: nn.Module, rng: Rng) -> Iterator[None]:
             for b, saved in buffers:
                 b.copy_(saved)
         rng.set(saved_rng)
+        random.setstate(saved_py)
+        np.random.set_state(saved_np)
         if Autocast.now(kinds) != before:  # a replay interrupted inside an autocast block
             before.restore()
