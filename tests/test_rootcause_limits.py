@@ -203,3 +203,31 @@ def test_sqrt_of_a_negative_value_in_float32_is_checked_in_float64(run_dir: Path
     assert (root["op"], root["fact"], row.data["samples"]["indices"]) == (
         "aten::sqrt", "1 of the input's 32 values is negative (min -4)", [6])
     assert root["cause"] == "model" and root["precision_replay"] == "float64"
+
+
+def test_model_cause_names_the_weights_that_grew(run_dir: Path) -> None:
+    """Diverged weights make exp overflow even in float64: the cause is the model, and the weight that
+    grew since watching began is named."""
+
+    class Expo(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.exp(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Expo(), nn.Linear(4, 1))
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    for step in range(4):
+        if step == 3:
+            with torch.no_grad():
+                model[0].weight.mul_(1e4)  # the weights diverged
+        x, y = torch.rand(8, 4) + 1.0, torch.randn(8, 1)
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    gw.unwatch(model)
+    row = gw.open_run(run_dir).findings().iloc[0]
+    root = row.data["root_cause"]
+    assert (root["op"], root["cause"], root["precision_replay"]) == ("aten::exp", "model", "float64")
+    assert [d["param"] for d in root["grew"]] == ["0.weight"] and 9e3 < root["grew"][0]["ratio"] < 1.1e4
+    assert "weights that grew: 0.weight x" in row.message
