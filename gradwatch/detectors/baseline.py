@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 
@@ -113,10 +114,9 @@ class Recent:
         self.buf = np.full((size, width), np.nan)
         self.filled = 0
 
-    def update(self, x: np.ndarray, mask: np.ndarray) -> None:
-        """Append one row: ``x`` where ``mask`` and finite, a gap elsewhere."""
-        keep = mask & np.isfinite(x)
-        self.buf[self.filled % self.size] = np.where(keep, x, np.nan)
+    def update(self, x: np.ndarray | float, mask: np.ndarray | bool) -> None:
+        """Append one row: ``x`` where ``mask`` (the caller's: only finite values), a gap elsewhere."""
+        self.buf[self.filled % self.size] = np.where(mask, x, np.nan)
         self.filled += 1
 
     def median(self, cols: np.ndarray, least: int) -> np.ndarray:
@@ -124,3 +124,32 @@ class Recent:
         rows = self.buf[: min(self.filled, self.size)][:, cols]
         count = np.sum(~np.isnan(rows), axis=0)
         return np.where(count >= least, _nanmedian(rows, count), np.nan)
+
+
+class Values:
+    """Median and spread (1.4826 x MAD) of the last ``size`` accepted values of one number.
+
+    :class:`Window`'s statistics for a single scalar in plain Python (a few numpy calls on a
+    one-element array cost more than the whole computation): the statistics are recomputed
+    every ``refresh`` values (and on each of the first few).
+    """
+
+    def __init__(self, size: int, refresh: int = 10) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self.refresh = refresh
+        self.center = math.nan
+        self.spread = math.nan
+        self.count = 0
+        self._updates = 0
+
+    def update(self, x: float) -> None:
+        """Append an accepted (finite) value."""
+        self.values.append(x)
+        self._updates += 1
+        if self._updates >= self.refresh or len(self.values) < 5:
+            self._updates = 0
+            ordered = sorted(self.values)
+            self.count = n = len(ordered)
+            self.center = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
+            dev = sorted(abs(v - self.center) for v in ordered)
+            self.spread = 1.4826 * 0.5 * (dev[(n - 1) // 2] + dev[n // 2])

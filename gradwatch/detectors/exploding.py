@@ -79,12 +79,14 @@ class Exploding(Detector):
     _layers: Window = field(init=False, repr=False)
     _version: int = field(default=-1, init=False, repr=False)
     _bounds: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
-    _recent: Recent = field(init=False, repr=False)  # the last healthy log norms: the global one, then each layer's
+    _recent: Recent = field(init=False, repr=False)  # each layer's last healthy log norms
+    _recent_global: Recent = field(init=False, repr=False)  # the global norm's
 
     def __post_init__(self) -> None:
         self._global = Window(self.window)
         self._layers = Window(self.window, 0)
-        self._recent = Recent(RECENT, 1)
+        self._recent = Recent(RECENT, 0)
+        self._recent_global = Recent(RECENT, 1)
 
     def _bound(self, win: Window, ratio: float) -> np.ndarray:
         """Log of the largest norm each baseline calls normal (inf while warming up).
@@ -117,7 +119,7 @@ class Exploding(Detector):
         layout = record.layout
         if layout.version != self._version:
             self._layers, self._version = Window(self.window, len(layout.layers)), layout.version
-            self._recent = Recent(RECENT, 1 + len(layout.layers))
+            self._recent = Recent(RECENT, len(layout.layers))
             self._bounds.clear()  # a new window may reuse the old one's id
         if not math.isfinite(total):
             # nothing enters the baselines; NaN/Inf elements are the nonfinite detector's
@@ -128,21 +130,24 @@ class Exploding(Detector):
         np.log(values, out=logs, where=values > 0)  # zero and NaN norms stay -inf: no baseline value
         valid = np.isfinite(logs)
         lay = self._layers
-        flags = np.concatenate([[log_total > self._bound(self._global, self.ratio)[0]],
-                                valid & (logs > self._bound(lay, self.layer_ratio))])
-        both = np.concatenate([[log_total], logs])
-        if flags.any():  # a flag is also a jump from the short-term level, where that level is known
-            cols = np.flatnonzero(flags)
-            level = self._recent.median(cols, EARLY)
-            flags[cols] = ~(both[cols] - level <= math.log(self.jump))  # NaN level (unknown): stays flagged
-        g_flag, l_flag = bool(flags[0]), flags[1:]
+        g_flag = bool(log_total > self._bound(self._global, self.ratio)[0])
+        l_flag = valid & (logs > self._bound(lay, self.layer_ratio))
+        jump = math.log(self.jump)  # a flag is also a jump from the short-term level, where that level is known
+        if g_flag:
+            level = float(self._recent_global.median(np.zeros(1, dtype=np.intp), EARLY)[0])
+            g_flag = not log_total - level <= jump  # NaN level (unknown): stays flagged
+        if l_flag.any():
+            cols = np.flatnonzero(l_flag)
+            l_flag[cols] = ~(logs[cols] - self._recent.median(cols, EARLY) <= jump)
         over = self.limit > 0 and total > self.limit
         center, typical = lay.center, self.typical()  # the baselines that judged (updates may refresh them)
         l_excess = logs - center
         bad = g_flag or over
         self._global.update(log_total, not bad)
-        lay.update(logs, valid & ~l_flag & (not bad))
-        self._recent.update(both, np.concatenate([[not bad and total > 0], valid & ~l_flag & (not bad)]))
+        accepted = valid & ~l_flag & (not bad)
+        lay.update(logs, accepted)
+        self._recent_global.update(log_total, not bad and total > 0)
+        self._recent.update(logs, accepted)
         if not (bad or l_flag.any()):
             return []
         self.causes.note(EXPLOSION, record.step)

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.detectors.baseline import Window
+from gradwatch.detectors.baseline import Values
 from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
@@ -67,7 +67,7 @@ class LossSpike(Detector):
     adapt_after: int = 20
     diverge: float = 1.5
     start: int = 3
-    _win: Window = field(init=False, repr=False)
+    _win: Values = field(init=False, repr=False)
     _first: list[float] = field(default_factory=list, init=False, repr=False)
     _recent: deque[float] = field(default_factory=lambda: deque(maxlen=LEVEL), init=False, repr=False)
     _run: int = field(default=0, init=False, repr=False)
@@ -76,7 +76,7 @@ class LossSpike(Detector):
     _spiked: int = field(default=-(10**9), init=False, repr=False)  # step of the last reported spike
 
     def __post_init__(self) -> None:
-        self._win = Window(self.window)
+        self._win = Values(self.window)
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Judge the step's loss, then fold it in if it was neither a spike nor a divergence."""
@@ -85,7 +85,7 @@ class LossSpike(Detector):
             return []
         self._recent.append(loss)
         if loss <= 0 and not self._signed:  # no scale to diverge from; spikes are judged on the loss itself
-            self._signed, self._win = True, Window(self.window)
+            self._signed, self._win = True, Values(self.window)
         level, base = self._divergence()
         spike, median, spread = self._spike(loss)
         self._run = self._run + 1 if spike else 0
@@ -119,8 +119,8 @@ class LossSpike(Detector):
         amounts): a spike is ``log(loss) - median > max(z * spread, log(1 + ratio))``.
         """
         win = self._win
-        center, spread = float(win.center[0]), float(win.spread[0])
-        if not win.ready(self.warmup)[0]:
+        center, spread = win.center, win.spread
+        if win.count < self.warmup:
             return False, math.nan, math.nan
         if self._signed:
             return loss - center > max(self.z * spread, self.ratio * abs(center)), center, spread
