@@ -212,7 +212,8 @@ def test_exp_overflow_under_fp16_autocast_is_precision(run_dir: Path) -> None:
 
 def test_fp16_overflow_in_the_first_linear_is_a_forward_origin(run_dir: Path) -> None:
     """Under fp16 autocast without a GradScaler, a batch that overflows float16 in the first Linear is
-    found in that Linear's forward (the replay runs under the step's autocast), not "in the loss"."""
+    found in that Linear's forward (the replay runs under the step's autocast), not "in the loss";
+    every sample overflows alike, so it is precision, not an outlier of the data."""
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     with torch.no_grad():
         model[0].weight.fill_(1.0)
@@ -220,10 +221,11 @@ def test_fp16_overflow_in_the_first_linear_is_a_forward_origin(run_dir: Path) ->
     model[0].requires_grad_(False)
 
     def plant(x: torch.Tensor) -> None:
-        x[5] = 2e4  # fits float16 (65504), but the first Linear sums 4 of them: 8e4
+        x[:] = 2e4  # fits float16 (65504), but the first Linear sums 4 of them: 8e4
 
     row = only_nonfinite(run(model, run_dir, uniform_batch(2, plant), autocast=torch.float16))
-    root = assert_root(row, op="aten::addmm", marker=None, phase="forward", layer="0", cause="precision", samples=[5],
+    root = assert_root(row, op="aten::addmm", marker=None, phase="forward", layer="0", cause="precision",
+                       samples=list(range(8)),
                        fact="float16 overflow: in float32 its result reaches 8e+04, beyond float16's largest value "
                             "6.55e+04 (|x| > 6.55e+04 is inf)")
     # nn.Linear inside nn.Sequential: no line of the user's runs it; the module's own forward is named
@@ -243,6 +245,32 @@ def test_one_sample_holding_nan_is_data_with_its_index_and_id(run_dir: Path) -> 
     assert samples["values"][0].startswith("sample 5 (id 'img-3-5'): 4 values, 1 NaN, 0 Inf, range [")
     assert row.message.startswith("The model's input batch holds NaN/Inf at step 3; cause: data")
     assert "samples to blame: sample 5 (id 'img-3-5')" in row.message
+
+
+@pytest.mark.parametrize(("value", "stands_out"), [
+    (1e6, "reach 1e+06, 7.66e+05x the batch's typical largest value (1.31)"),
+    (200.0, "reach 200, 153x the batch's typical largest value (1.31) (in float64 they would stay finite)"),
+])
+def test_one_outlier_sample_that_overflows_is_data(run_dir: Path, value: float, stands_out: str) -> None:
+    """A sample 100 times the others' scale or more is the cause, whether or not float64 would survive it."""
+    model = nn.Sequential()
+    model.add_module("lin", nn.Linear(4, 4))
+    model.add_module("expo", Expo())
+    model.add_module("out", nn.Linear(4, 1))
+    with torch.no_grad():
+        model.lin.weight.fill_(0.25)
+        model.lin.bias.zero_()
+    model.lin.requires_grad_(False)
+
+    def plant(x: torch.Tensor) -> None:
+        x[6] = value
+
+    row = only_nonfinite(run(model, run_dir, uniform_batch(3, plant), ids=True))
+    root = assert_root(row, op="aten::exp", marker="# plant: exp", phase="forward", layer="expo", cause="data",
+                       samples=[6], fact=f"exp of values up to {value:.3g} overflows float32 (exp(x) > 3.4e+38 for "
+                                          "x > 88.72)")
+    assert root["cause_detail"] == f"only 1 of the batch's 8 samples went NaN/Inf and their inputs {stands_out}"
+    assert row.data["samples"]["ids"] == ["img-3-6"] and "cause: data (only 1 of the batch's 8 samples" in row.message
 
 
 class Flaky(nn.Module):

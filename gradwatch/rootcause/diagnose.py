@@ -104,28 +104,31 @@ def _weight_rows(born: ops.Born, batch: int | None) -> list[int] | None:
 
 def _cause(model: nn.Module, cap: Capture, located: Located, call: dict[str, Any], rng: Rng,
            reference: dict[str, float], rows: list[int] | None, born: ops.Born | None) -> dict[str, Any]:
-    """The cause class and its detail."""
+    """The cause class and its detail: outlier samples are data (even when a wider type would survive
+    them), else a wider type that stays finite is precision, else the model.
+    """
     module = located.module
     assert module is not None
     op = born.op if born is not None else None
     dtype: str | None = None
+    wider: bool | None = None
+    note: str | None = "the origin module's call was not seen again in the replay"
     if call:
         wider, dtype = cause.precision(module, call, located, cap.autocast, rng)
-        if wider:
-            return {"cause": cause.PRECISION, "cause_detail": cause.words_precision(located, dtype, cap.autocast, op),
-                    "precision_replay": dtype}
+        note = None
         if wider is None:
             note, dtype = dtype, None
-        else:
-            note = None
-    else:
-        note = "the origin module's call was not seen again in the replay"
     batch = cap.batch
-    if rows and batch is not None and len(rows) < batch:
-        stand_out = outliers(cap, rows)
-        if stand_out is not None:
-            return {"cause": cause.DATA, "cause_detail": f"only {len(rows)} of the batch's {batch} samples went "
-                    f"NaN/Inf and {stand_out}"}
+    stand_out = outliers(cap, rows) if rows and batch is not None and len(rows) < batch else None
+    if stand_out is not None:
+        assert rows is not None
+        detail = f"only {len(rows)} of the batch's {batch} samples went NaN/Inf and {stand_out}"
+        if wider:
+            detail += f" (in {dtype} they would stay finite)"
+        return {"cause": cause.DATA, "cause_detail": detail, **({"precision_replay": dtype} if dtype else {})}
+    if wider:
+        return {"cause": cause.PRECISION, "cause_detail": cause.words_precision(located, str(dtype), cap.autocast, op),
+                "precision_replay": dtype}
     grew = cause.grown(model, reference)
     out: dict[str, Any] = {"cause": cause.MODEL, "cause_detail": cause.words_model(grew, dtype)}
     if grew:
