@@ -231,3 +231,16 @@ def test_model_cause_names_the_weights_that_grew(run_dir: Path) -> None:
     assert (root["op"], root["cause"], root["precision_replay"]) == ("aten::exp", "model", "float64")
     assert [d["param"] for d in root["grew"]] == ["0.weight"] and 9e3 < root["grew"][0]["ratio"] < 1.1e4
     assert "weights that grew: 0.weight x" in row.message
+
+
+def test_capture_tells_inputs_changed_in_place_and_keeps_no_version_for_inference_tensors() -> None:
+    from gradwatch.rootcause.capture import Capture, versions
+    from gradwatch.rootcause.state import Autocast
+
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    x = torch.zeros(3)
+    cap = Capture.of((x, {"mask": frozen}), {}, [], Autocast())
+    assert versions((x, frozen)) == (x._version, -1) and not cap.modified()
+    x.add_(1.0)
+    assert cap.modified()

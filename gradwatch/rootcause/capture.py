@@ -50,7 +50,7 @@ class Capture:
     @classmethod
     def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], rng: list[torch.Tensor], autocast: Autocast) -> Capture:
         """A capture of a forward call starting now."""
-        return cls(args, dict(kwargs), rng, autocast, tuple(t._version for t in tensors((args, kwargs))))
+        return cls(args, dict(kwargs), rng, autocast, versions((args, kwargs)))
 
     def keep_grad(self, grad: torch.Tensor) -> None:
         """The gradient arriving at the call's output: kept, or reduced to a finiteness flag."""
@@ -61,7 +61,7 @@ class Capture:
 
     def modified(self) -> bool:
         """Whether an input tensor was changed in place after the forward (a replay would differ)."""
-        return tuple(t._version for t in tensors((self.args, self.kwargs))) != self.versions
+        return versions((self.args, self.kwargs)) != self.versions
 
     @property
     def batch(self) -> int | None:
@@ -76,6 +76,17 @@ class Capture:
         if self.ids is None:
             return None
         return [plain(self.ids[i]) if 0 <= i < len(self.ids) else None for i in indices]
+
+
+def versions(obj: Any) -> tuple[int, ...]:
+    """The version counter of each tensor in ``obj`` (-1 for inference tensors, which keep none)."""
+    out = []
+    for t in tensors(obj):
+        try:
+            out.append(t._version)
+        except RuntimeError:
+            out.append(-1)
+    return tuple(out)
 
 
 def checked_ids(ids: Any) -> Any:

@@ -73,6 +73,8 @@ def replay_wider(module: nn.Module, call: dict[str, Any], located: Located, rng:
         if out is None or grad_out is None or not out.requires_grad:
             return finite(output)
         wanted = [t for t in [*floats((args, kwargs)), *params.values()] if t.requires_grad]
+        if not wanted:
+            return finite(output)
         grads = torch.autograd.grad(out, wanted, grad_outputs=grad_out.detach().to(dtype), allow_unused=True)
     return finite(output, [x for x in grads if x is not None])
 
@@ -86,8 +88,11 @@ def grown(model: nn.Module, reference: dict[str, float]) -> list[dict[str, Any]]
     named = [(n, p) for n, p in model.named_parameters() if n in reference and p.numel()]
     if not named:
         return []
-    with torch.no_grad():
-        now = torch.stack([p.detach().float().norm() for _, p in named]).cpu().tolist()
+    try:
+        with torch.no_grad():
+            now = torch.stack([p.detach().float().norm().to("cpu") for _, p in named]).tolist()
+    except Exception:  # sharded (DTensor) or scattered parameters: no weights named
+        return []
     out = []
     for (name, p), value in zip(named, now):
         before = reference[name]

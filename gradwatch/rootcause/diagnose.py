@@ -148,6 +148,6 @@ def reference_norms(model: nn.Module) -> dict[str, float]:
     try:
         with torch.no_grad():
             values = torch.stack([p.detach().float().norm().to("cpu") for _, p in named]).tolist()
-    except RuntimeError:  # parameters on several devices that cannot be stacked, or not materialised
+    except Exception:  # parameters on several devices, sharded (DTensor), or not materialised: no reference
         return {}
     return dict(zip((n for n, _ in named), values))
