@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,13 +80,29 @@ class Capture:
 
 
 def versions(obj: Any) -> tuple[int, ...]:
-    """The version counter of each tensor in ``obj`` (-1 for inference tensors, which keep none)."""
+    """The version counter of each tensor in ``obj`` (-1 for inference tensors, which keep none).
+
+    Taken at every forward call: an explicit stack instead of nested generators keeps it to about
+    a microsecond for a batch of a few tensors.
+    """
     out = []
-    for t in tensors(obj):
-        try:
-            out.append(t._version)
-        except RuntimeError:
-            out.append(-1)
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        kind = type(x)
+        if kind is tuple or kind is list:
+            stack.extend(x)
+        elif kind is dict:
+            stack.extend(x.values())
+        elif isinstance(x, torch.Tensor):
+            try:
+                out.append(x._version)
+            except RuntimeError:
+                out.append(-1)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, Mapping):
+            stack.extend(x.values())
     return tuple(out)
 
 

@@ -60,8 +60,16 @@ class Autocast:
 
     @classmethod
     def now(cls, kinds: list[str]) -> Autocast:
-        """The autocast state in force (a few Python calls; no device work)."""
-        return cls(tuple((k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds),
+        """The autocast state in force: one call per device type when autocast is off (the state of each
+        forward call is taken, so this is kept cheap; no device work).
+        """
+        on = [torch.is_autocast_enabled(k) for k in kinds]
+        if not any(on):
+            off = _OFF.get(tuple(kinds))
+            if off is None:
+                off = _OFF[tuple(kinds)] = cls(tuple((k, False, torch.get_autocast_dtype(k)) for k in kinds))
+            return off
+        return cls(tuple((k, e, torch.get_autocast_dtype(k)) for k, e in zip(kinds, on)),
                    torch.is_autocast_cache_enabled())
 
     @property
@@ -97,6 +105,10 @@ class Autocast:
             for kind in kinds:
                 stack.enter_context(torch.autocast(kind, enabled=False))
             yield
+
+
+#: the autocast state "off" for each set of device types (shared: it is the same every step)
+_OFF: dict[tuple[str, ...], Autocast] = {}
 
 
 class Rng:
