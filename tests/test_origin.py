@@ -77,7 +77,7 @@ def test_forward_origin_log_of_zero(run_dir: Path) -> None:
         "nonfinite", 5, "feat", "forward", "error", "skip")
     assert row.data["origin"] == "replayed" and row.data["type"] == "LogFeatures"
     assert "forward pass of feat (LogFeatures)" in row.message
-    assert len(found) == 1
+    assert (found.kind == "nonfinite").sum() == 1  # later findings (the loss diverging after it) are other kinds
 
 
 def test_forward_origin_division_by_zero_norm(run_dir: Path) -> None:
