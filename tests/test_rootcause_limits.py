@@ -244,3 +244,26 @@ def test_capture_tells_inputs_changed_in_place_and_keeps_no_version_for_inferenc
     assert sorted(versions((x, frozen))) == [-1, x._version] and not cap.modified()
     x.add_(1.0)
     assert cap.modified()
+
+
+def test_nan_born_in_the_loss_names_the_samples_of_its_gradient(run_dir: Path) -> None:
+    """sqrt(|out - y|) has an infinite gradient where the prediction is exact: the loss, not the model."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        x, y = torch.rand(8, 4), torch.randn(8, 1)
+        out = model(x)
+        if step == 2:
+            y[3] = out[3].detach()  # an exact prediction: d sqrt(|e|)/de is 0 * inf there
+        loss = (out - y).abs().sqrt().mean()
+        opt.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        opt.step()
+    gw.unwatch(model)
+    row = gw.open_run(run_dir).findings().iloc[0]
+    assert (row.step, row.phase, row.layer) == (2, "backward", None)
+    assert row.data["root_cause"]["cause"] is None and row.data["samples"]["indices"] == [3]
+    assert row.message.startswith("The gradient of the loss with respect to the model's output is already NaN/Inf "
+                                  "(born in the loss) at step 2; samples to blame: sample 3; ")

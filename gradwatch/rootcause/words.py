@@ -94,6 +94,15 @@ def nonfinite_message(origin: dict[str, Any], step: int, what: list[str]) -> str
             head += f" (latest layer with a NaN/Inf gradient: {origin['layer']})"
     elif root.get("cause") == "data" and origin.get("source") == "input":
         head = f"The model's input batch holds NaN/Inf at step {step}"
+    elif origin.get("source") == "loss":
+        head = ("The gradient of the loss with respect to the model's output is already NaN/Inf (born in the loss)"
+                if origin.get("phase") == "backward" else
+                "The model's output is finite but the loss is NaN/Inf (born in the loss function)")
+        head += f" at step {step}"
+    elif origin.get("layer") is not None and root.get("note"):  # the module is known, no single op in it
+        kind = f" ({origin['type']})" if origin.get("type") else ""
+        head = f"NaN/Inf first appeared in the {origin.get('phase')} pass of {origin['layer']}{kind} at step {step}: " \
+               f"{root['note']}"
     else:
         return None
     cause = cause_phrase(root)
