@@ -183,6 +183,46 @@ def test_attention_mask_that_masks_a_whole_row(run_dir: Path) -> None:
     assert root["born"] == "NaN" and row.step == 4
 
 
+class Mask(nn.Module):
+    """Masks positions with -inf by design (its output is never finite): not where the NaN is born."""
+
+    def forward(self, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(~keep, float("-inf"))
+
+
+class Scorer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores = nn.Linear(4, 5)
+        self.mask = Mask()
+        self.softmax = nn.Softmax(dim=-1)
+        self.out = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.out(self.softmax(self.mask(self.scores(x), keep)))
+
+
+def test_a_module_that_returns_minus_inf_by_design_is_not_the_origin(run_dir: Path) -> None:
+    """The mask module is the first whose output is not finite, but -inf is what it is for: the NaN is
+    born in the softmax after it, which the finding names (with a note saying why)."""
+    def batch(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        gen = torch.Generator().manual_seed(step)
+        keep = torch.ones(6, 5, dtype=torch.bool)
+        keep[:, 0] = False
+        if step == 3:
+            keep[4] = False  # sample 4: every position masked
+        return (torch.randn(6, 4, generator=gen), keep), torch.randn(6, 1, generator=gen)
+
+    # activations=False: on sampled steps the activation statistics would flag the mask's -inf output itself
+    row = only_nonfinite(run(Scorer(), run_dir, batch, activations=False))
+    root = assert_root(row, op="aten::_softmax", marker=None, phase="forward", layer="softmax", cause="model",
+                       samples=[4], fact="row 4 of the input is all -inf (every position masked): softmax over it "
+                                         "is 0/0")
+    assert row.data["type"] == "Softmax" and root["layer"] == "softmax"
+    assert row.data["note"] == ("mask (Mask) returns -inf/inf by design; the first NaN/Inf that was not meant was "
+                                "born in softmax")
+
+
 class Expo(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.exp(x)  # plant: exp
