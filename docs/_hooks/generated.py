@@ -1,0 +1,189 @@
+"""Docs build hook: the parts of the site that the build makes from gradwatch itself.
+
+- ``<!-- gradwatch:remedies -->`` in a page becomes what each finding kind means and what to try,
+  from ``gradwatch.report.remedies`` (the text the report and the dashboard show);
+- ``<!-- gradwatch:output NAME -->`` becomes the output of one of the tutorial's commands, run by
+  the build in a fresh folder (``COMMANDS``; ``read``: the Python block after
+  ``<!-- gradwatch:run read -->`` in the tutorial);
+- ``img/tutorial/*.png`` are screenshots of that run's HTML report and of the live dashboard,
+  taken by the build in Debian's chromium through Playwright (no browser is downloaded).
+
+Nothing here is fetched from the network, and the built pages load nothing from it. While
+writing, ``GRADWATCH_DOCS_CACHE=/some/folder mkdocs serve`` makes the tutorial's run once and
+reuses it (delete the folder to make it again); CI never sets it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[2]
+TUTORIAL = ROOT / "docs" / "tutorial.md"
+CHROMIUM = os.environ.get("GRADWATCH_CHROMIUM", "/usr/bin/chromium")
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]
+#: the tutorial's commands, run one after the other in one fresh folder: name -> (shown, argv, exit status)
+COMMANDS: dict[str, tuple[str, list[str], int]] = {
+    "train": ("python examples/tutorial.py", [sys.executable, str(ROOT / "examples" / "tutorial.py")], 1),
+    "check": ("gradwatch check runs/tutorial", [sys.executable, "-m", "gradwatch", "check", "runs/tutorial"], 1),
+    "report": ("gradwatch report runs/tutorial", [sys.executable, "-m", "gradwatch", "report", "runs/tutorial"], 0),
+    "fixed": ("python examples/tutorial.py --fixed",
+              [sys.executable, str(ROOT / "examples" / "tutorial.py"), "--fixed"], 0),
+    "check-fixed": ("gradwatch check runs/tutorial-fixed",
+                    [sys.executable, "-m", "gradwatch", "check", "runs/tutorial-fixed"], 0),
+}
+SCREENSHOTS = ("report-top.png", "report-finding.png", "dashboard-run.png", "dashboard-flow.png")
+
+log = logging.getLogger("mkdocs.plugins.gradwatch")
+_made: dict[str, Any] = {}  # what this build made: outputs by name, the screenshots' folder
+
+
+# ------------------------------------------------------------------ remedies
+def remedies() -> str:
+    """Every finding kind the report explains: its title, what it means, and what to try."""
+    from gradwatch.report.remedies import KINDS, UNKNOWN
+
+    out = []
+    for kind, spec in KINDS.items():
+        out.append(f"### `{kind}`: {spec.title}\n\n{spec.meaning}\n\nWhat to try, most likely first:\n")
+        out += [f"1. {remedy}" for remedy in spec.remedies]
+        out.append("")
+    out.append(f"### Plugin kinds\n\nA finding of a [detector plugin](plugins.md)'s kind: {UNKNOWN.meaning} "
+               "The report titles it after its kind and shows the finding's own `hint`.\n")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------ the tutorial's run
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
+               COLUMNS="100", NO_COLOR="1", TERM="dumb", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def _shown(text: str, where: Path) -> str:
+    """Output as the reader would see it: paths relative, a traceback shortened to its last line."""
+    text = text.replace(str(where) + os.sep, "").replace(str(ROOT) + os.sep, "")
+    lines = text.rstrip().splitlines()
+    if "Traceback (most recent call last):" in lines:
+        start = lines.index("Traceback (most recent call last):")
+        lines = [*lines[:start], lines[start], "  ...", lines[-1]]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _python_block(marker: str) -> str:
+    """The fenced Python block right after ``marker`` in the tutorial."""
+    found = re.search(re.escape(marker) + r"\s*```python\n(.*?)```", TUTORIAL.read_text(encoding="utf-8"), re.S)
+    if found is None:
+        raise PluginError(f"docs/tutorial.md has no ```python block after {marker}")
+    return found.group(1)
+
+
+def run_tutorial(where: Path) -> dict[str, str]:
+    """Run the tutorial's commands in ``where``; their outputs (command line included) by name."""
+    commands = dict(COMMANDS)
+    read = _python_block("<!-- gradwatch:run read -->")
+    commands = {**{k: v for k, v in commands.items() if k in ("train", "check", "report")},
+                "read": ("python", [sys.executable, "-c", read], 0),
+                **{k: v for k, v in commands.items() if k in ("fixed", "check-fixed")}}
+    outputs = {}
+    for name, (shown, argv, status) in commands.items():
+        done = subprocess.run(argv, cwd=where, env=_env(), capture_output=True, text=True, timeout=600)
+        if done.returncode != status:
+            raise PluginError(f"the tutorial's `{shown}` exited {done.returncode}, not {status}:\n"
+                              f"{done.stdout}\n{done.stderr}")
+        body = _shown(done.stdout + done.stderr, where)
+        outputs[name] = body if name == "read" else f"$ {shown}\n{body}"
+    return outputs
+
+
+def screenshots(where: Path, out: Path) -> None:
+    """The tutorial run's report, and the dashboard's page of it, in a real browser."""
+    if not Path(CHROMIUM).exists():
+        raise PluginError(f"the docs build takes the tutorial's screenshots with Chromium at {CHROMIUM}: "
+                          "install Debian's chromium (apt-get install chromium) or set GRADWATCH_CHROMIUM")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        raise PluginError("the docs build needs Playwright for the tutorial's screenshots: "
+                          "pip install -e '.[docs]'") from None
+    from gradwatch.dashboards.server import start
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto((where / "runs" / "tutorial" / "report.html").as_uri())
+            page.wait_for_selector("#fig-timeline .main-svg")
+            page.wait_for_selector("#fig-flow .main-svg")
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(out / "report-top.png"))
+            page.locator("#finding-0").scroll_into_view_if_needed()
+            page.locator("#finding-0").screenshot(path=str(out / "report-finding.png"))
+            here = Path.cwd()
+            os.chdir(where)  # the dashboard shows its root as given: "runs", as the reader would type it
+            try:
+                dash = start("runs")
+            finally:
+                os.chdir(here)
+            with dash:
+                page.set_viewport_size({"width": 1280, "height": 1000})
+                page.goto(f"{dash.url}run?run=tutorial")
+                page.wait_for_selector("#timeline .main-svg")
+                page.wait_for_selector("#flow .main-svg")
+                page.wait_for_timeout(1000)
+                page.screenshot(path=str(out / "dashboard-run.png"))
+                page.locator("#flow").scroll_into_view_if_needed()
+                page.locator("#flow").screenshot(path=str(out / "dashboard-flow.png"))
+        finally:
+            browser.close()
+
+
+# ------------------------------------------------------------------ mkdocs events
+def on_files(files: Files, config: Any) -> Files:
+    """Run the tutorial, take its screenshots, and add them to the site's files."""
+    if not _made:
+        cache = os.environ.get("GRADWATCH_DOCS_CACHE")  # while writing: reuse the last run's outputs and pictures
+        folder = Path(cache) if cache else Path(tempfile.mkdtemp(prefix="gradwatch-docs-"))
+        where, images, saved = folder / "tutorial", folder / "img", folder / "outputs.json"
+        if cache and saved.is_file() and all((images / name).is_file() for name in SCREENSHOTS):
+            log.info("gradwatch: reusing the tutorial's outputs and screenshots in %s", folder)
+            _made["outputs"] = json.loads(saved.read_text(encoding="utf-8"))
+        else:
+            shutil.rmtree(where, ignore_errors=True)
+            where.mkdir(parents=True)
+            images.mkdir(exist_ok=True)
+            log.info("gradwatch: running the tutorial and taking its screenshots in %s", folder)
+            _made["outputs"] = run_tutorial(where)
+            screenshots(where, images)
+            saved.write_text(json.dumps(_made["outputs"]), encoding="utf-8")
+        _made["images"] = images
+    for name in SCREENSHOTS:
+        files.append(File.generated(config, f"img/tutorial/{name}", abs_src_path=str(_made["images"] / name)))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    """Put the generated parts into the pages that ask for them."""
+    if "<!-- gradwatch:remedies -->" in markdown:
+        markdown = markdown.replace("<!-- gradwatch:remedies -->", remedies())
+
+    def output(found: re.Match[str]) -> str:
+        name = found.group(1)
+        if name not in _made.get("outputs", {}):
+            raise PluginError(f"{page.file.src_uri}: no tutorial output named {name!r}")
+        return f"```text\n{_made['outputs'][name]}\n```"
+
+    return re.sub(r"<!-- gradwatch:output ([\w-]+) -->", output, markdown)
