@@ -340,8 +340,10 @@ def flow(run: Run, step: int | None = None) -> dict[str, Any]:
     keep = np.isfinite(values) | np.isfinite(before)  # layers with parameters that had a gradient
     layers = [n for n, k in zip(now.columns, keep) if k]
     flagged, earlier = marks.flow_marks(run.findings(), int(row), layers)  # the state of the step shown
-    return {"step": int(row), "first_step": int(first), "layers": layers,
-            "values": _finite(values[keep]), "first": _finite(before[keep]), "flagged": flagged, "earlier": earlier}
+    bad = run.matrix("grad_nonfinite", steps=slice(row, row + 1)).reindex(columns=now.columns).to_numpy()
+    nonfinite = [n for n, k, b in zip(now.columns, keep, bad[0] if len(bad) else []) if k and b > 0]
+    return {"step": int(row), "first_step": int(first), "layers": layers, "values": _finite(values[keep]),
+            "first": _finite(before[keep]), "flagged": flagged, "earlier": earlier, "nonfinite": nonfinite}
 
 
 def _metric(metric: str) -> tuple[str, bool]:

@@ -80,3 +80,23 @@ def test_loss_axis_is_the_same_in_the_report_and_the_dashboard(spiky: Path) -> N
                      if name.startswith("yaxis") and ax.get("title", {}).get("text") == "loss")
     assert (loss_axis.get("type") == "log") == curves["curves"]["loss"]["log"]
     assert curves["curves"]["loss"]["log"] is loss_log(run.series("loss")[1]) is True
+
+
+def test_dashboard_flow_names_the_layers_whose_gradient_is_nan_at_the_step_shown(tmp_path: Path) -> None:
+    """A NaN step has no norms to draw: the flow says which layers' gradients were NaN/Inf there."""
+    model = gw.watch(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), run=tmp_path / "nan",
+                     console=False, rules=[gw.Rule(when="nonfinite", do="halt")])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(gw.TrainingHalted):
+        for step in range(10):
+            x = torch.randn(8, 3)
+            if step == 4:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    run = gw.open_run(tmp_path / "nan")
+    at_nan = data.flow(run)
+    assert at_nan["step"] == 4 and at_nan["nonfinite"] == ["0", "2"]
+    assert all(v is None for v in at_nan["values"]), "no finite norm to draw"
+    assert data.flow(run, step=3)["nonfinite"] == []

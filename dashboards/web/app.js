@@ -352,16 +352,21 @@
       const x = f.layers.map((_, i) => i);
       // a bar is coloured by a finding that holds at the step shown (red: error, amber: warning); a layer whose
       // findings ended before it keeps its blue bar with an amber outline, and its hover names that step
-      const now = f.flagged, earlier = f.earlier;
+      // a layer whose gradient is NaN/Inf at this step has no norm to draw: its bar reaches the top, in red
+      const now = f.flagged, earlier = f.earlier, bad = new Set(f.nonfinite || []);
+      const finite = [...f.values, ...f.first].filter((v) => v > 0);
+      const top = finite.length ? Math.max(...finite) * 3 : 1;
       const types = new Map(state.layers.map((l) => [l.name, l.type]));
-      const custom = f.layers.map((name) => [esc(name), esc(types.get(name) || ""),
-        name in now ? `<br>${now[name]} at this step` : name in earlier ? `<br>finding at step ${earlier[name]}` : ""]);
+      const custom = f.layers.map((name, i) => [esc(name), esc(types.get(name) || ""),
+        name in now ? `<br>${now[name]} at this step` : name in earlier ? `<br>finding at step ${earlier[name]}` : "",
+        bad.has(name) ? "NaN/Inf" : f.values[i] > 0 ? Number(f.values[i]).toPrecision(3) : "-"]);
       const traces = [
-        { type: "bar", x, y: f.values.map((v) => (v > 0 ? v : null)), name: `step ${f.step}`, customdata: custom,
-          marker: { color: f.layers.map((name) => (name in now ? COLOURS[now[name]] : "#2f6fde")),
+        { type: "bar", x, y: f.values.map((v, i) => (bad.has(f.layers[i]) ? top : v > 0 ? v : null)),
+          name: `step ${f.step}`, customdata: custom,
+          marker: { color: f.layers.map((name) => (bad.has(name) ? COLOURS.error : name in now ? COLOURS[now[name]] : "#2f6fde")),
                     line: { color: f.layers.map((name) => (name in earlier ? COLOURS.warning : "rgba(0,0,0,0)")),
                             width: f.layers.map((name) => (name in earlier ? 2 : 0)) } },
-          hovertemplate: "%{customdata[0]} (%{customdata[1]})<br>grad norm %{y:.3g}%{customdata[2]}<extra>latest</extra>" },
+          hovertemplate: "%{customdata[0]} (%{customdata[1]})<br>grad norm %{customdata[3]}%{customdata[2]}<extra>latest</extra>" },
         { type: "scatter", mode: n <= 200 ? "lines+markers" : "lines", x, y: f.first.map((v) => (v > 0 ? v : null)),
           name: `first step (${f.first_step})`, customdata: custom, line: { color: "#8a94a6", width: 1.2 },
           marker: { size: 4 }, hovertemplate: "%{customdata[0]}<br>grad norm %{y:.3g}<extra>first step</extra>" },
