@@ -120,12 +120,49 @@ def test_workflow_installs_tests_gates_and_uploads() -> None:
     steps = job["steps"]
     runs = [step.get("run", "") for step in steps]
     uses = [step.get("uses", "") for step in steps]
-    (install,) = [r for r in runs if "pip install torch" in r]
-    assert "--index-url https://download.pytorch.org/whl/cpu" in install and "install gradwatch pytest" in install
+    torch = runs.index("python -m pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    package = runs.index('python -m pip install "$GRADWATCH" pytest')  # not on PyPI: no `pip install gradwatch`
+    assert not any(re.search(r"pip install[^\n]*\bgradwatch\b(?!\S)", r) for r in runs), runs
+    assert workflow["env"]["GRADWATCH"].startswith("gradwatch @ git+https://")
     tests = runs.index("python -m pytest --gradwatch-runs runs/")
     gate = runs.index("gradwatch check runs/* --fail-on error --format github")
     (upload,) = [i for i, u in enumerate(uses) if u.startswith("actions/upload-artifact@")]
-    assert uses.index("actions/checkout@v4") < runs.index(install) < tests < gate < upload
+    # the CPU build of PyTorch comes before the command it protects (which would pull CUDA torch otherwise)
+    assert uses.index("actions/checkout@v4") < torch < package < tests < gate < upload
     assert steps[upload]["with"]["path"] == "runs/"
     assert "!cancelled()" in steps[gate]["if"] and "!cancelled()" in steps[upload]["if"]  # also after a failure
-    assert _workflow_commands() == [runs[tests], runs[gate]]  # what the tests above ran
+    assert _workflow_commands() == [runs[torch], runs[package], runs[tests], runs[gate]]  # what the tests ran
+
+
+def test_workflow_installs_gradwatch_from_a_git_url_and_its_steps_pass(tmp_path: Path) -> None:
+    """The workflow's own install command, with GRADWATCH a git URL of this repository, in a fresh venv.
+
+    The venv sees this machine's packages (torch, pytest) and pip is told by its environment, not by
+    the command, to use no index and to build without isolation: nothing is downloaded.
+    """
+    clone = tmp_path / "gradwatch-clone"
+    # a full clone: pip's own clone of a shallow one loops ("shallow roots are not allowed to be updated")
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, capture_output=True, timeout=300)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    env = {**_env(), "GRADWATCH": f"gradwatch @ git+file://localhost{clone}", "PIP_NO_INDEX": "1",
+           "PIP_NO_BUILD_ISOLATION": "0", "PIP_NO_DEPS": "1",
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1", "VIRTUAL_ENV": str(venv),
+           "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH")  # the venv's gradwatch, not this checkout's
+    (install,) = [c for c in _workflow_commands() if '"$GRADWATCH"' in c]
+    installed = subprocess.run(["bash", "-c", install.replace("python ", f"{python} ", 1)], env=env,
+                               capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    where = subprocess.run([str(python), "-c", "import gradwatch; print(gradwatch.__file__)"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where).is_relative_to(venv), where  # installed from the git URL into the venv
+    project = _project(tmp_path)
+    steps = [c for c in _workflow_commands() if "pytest --gradwatch-runs" in c or c.startswith("gradwatch check")]
+    for command in steps:
+        command = re.sub(r"^python ", f"{python} ", command)
+        command = re.sub(r"^gradwatch ", f"{venv / 'bin' / 'gradwatch'} ", command)
+        result = subprocess.run(["bash", "-c", command], cwd=project, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, command + "\n" + result.stdout + result.stderr
