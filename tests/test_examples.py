@@ -113,3 +113,22 @@ def test_hf_trainer_example_runs_as_written(tmp_path: Path) -> None:
     assert (scalars["grad_norm"] <= 1.0 + 1e-5).all(), "grad_norm is the clipped norm the optimizer applied"
     assert (scalars["grad_norm_preclip"] > 1.0).any(), "some steps were clipped"
     assert (scalars["grad_norm_preclip"] >= scalars["grad_norm"] * (1 - 1e-6)).all()
+
+
+def test_tutorial_fails_at_the_planted_zero_and_the_fix_passes_the_gate(tmp_path: Path) -> None:
+    """examples/tutorial.py as docs/tutorial.md tells it: halted at step 60 by a log(0), fixed by a clamp."""
+    failing = subprocess.run([sys.executable, str(EXAMPLES / "tutorial.py")], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600)
+    assert failing.returncode == 1 and "gradwatch.errors.TrainingHalted" in failing.stderr, failing.stderr
+    run = gw.open_run(tmp_path / "runs" / "tutorial")
+    assert (run.steps, run.status) == (61, "halted")
+    (finding,) = run.findings().itertuples()
+    assert (finding.step, finding.kind, finding.layer, finding.phase, finding.action) == (
+        60, "nonfinite", "0", "forward", "halt")
+    assert finding.data["root_cause"]["op"] == "aten::log" and finding.data["samples"]["indices"] == [17]
+    fixed = subprocess.run([sys.executable, str(EXAMPLES / "tutorial.py"), "--fixed"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+    assert fixed.returncode == 0, fixed.stderr
+    run = gw.open_run(tmp_path / "runs" / "tutorial-fixed")
+    assert (run.steps, run.status) == (192, "finished") and run.findings().empty
+    assert "trained 192 steps" in fixed.stdout

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("transformers", "lightning", "pytorch_lightning", "prometheus_client", "uvicorn", "tensorboard")
@@ -46,3 +49,42 @@ def test_wheel_contains_all_three_packages(tmp_path: Path) -> None:
     assert expected - names == set()
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "gradwatch = gradwatch.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+@pytest.mark.slow  # builds a wheel and a virtual environment
+def test_a_built_wheel_installs_into_a_fresh_venv_and_runs(tmp_path: Path) -> None:
+    """docs/install.md's wheel path: `pip wheel --no-deps -w dist .`, then `pip install` it elsewhere.
+
+    The venv sees this machine's packages (torch, pandas ...: gradwatch's dependencies) but not this
+    checkout; pip uses no index, so nothing is downloaded. gradwatch then runs from the venv.
+    """
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        "build", "*.egg-info", "__pycache__", ".git", ".*_cache", "runs", "node_modules", "site"))
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
+                    str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = dist.glob("gradwatch-*-py3-none-any.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    bin_dir = venv / "bin"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    installed = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--no-index", "--no-deps",
+                                str(wheel)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+
+    code = ("import gradwatch, gradwatch.dashboards, gradwatch.integrations, gradwatch.report; "
+            "from importlib.resources import files; "
+            "print(gradwatch.__file__); print(files('gradwatch.dashboards') / 'grafana' / 'gradwatch.json')")
+    where = subprocess.run([str(bin_dir / "python"), "-c", code], env=env, cwd=tmp_path, capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    assert all(Path(p).is_relative_to(venv) for p in where), where  # the wheel's files, not the checkout's
+    assert Path(where[1]).is_file()
+    helped = subprocess.run([str(bin_dir / "gradwatch"), "--help"], env=env, cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert helped.returncode == 0 and "Usage: gradwatch" in helped.stdout
+    demo = subprocess.run([str(bin_dir / "gradwatch"), "demo", "--steps", "5", "--run", "runs/demo"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert (tmp_path / "runs" / "demo" / "report.html").is_file()  # the templates and plotly.js came with it

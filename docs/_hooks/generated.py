@@ -175,6 +175,29 @@ def on_files(files: Files, config: Any) -> Files:
     return files
 
 
+#: what makes a browser fetch something by itself: scripts, stylesheets, images, frames, fonts in CSS
+EXTERNAL = re.compile(r"""<(?:script|img|iframe|source|audio|video)\b[^>]*\ssrc=["']?(?:https?:)?//"""
+                      r"""|<link\b[^>]*\shref=["']?(?:https?:)?//[^>]*>|url\(["']?(?:https?:)?//|@import\s+["']?(?:https?:)?//""",
+                      re.I)
+
+
+def external_loads(site: Path) -> list[str]:
+    """Files of the built site that would make a browser fetch something from the network."""
+    found = []
+    for path in sorted(site.rglob("*")):
+        if path.suffix in (".html", ".css", ".js") and path.is_file():
+            for hit in EXTERNAL.finditer(path.read_text(encoding="utf-8", errors="replace")):
+                found.append(f"{path.relative_to(site)}: {hit.group(0)[:120]}")
+    return found
+
+
+def on_post_build(config: Any) -> None:
+    """Refuse a site whose pages load anything from the network (a web font, a CDN script)."""
+    found = external_loads(Path(config["site_dir"]))
+    if found:
+        raise PluginError("the built pages would fetch from the network:\n" + "\n".join(found[:20]))
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     """Put the generated parts into the pages that ask for them."""
     if "<!-- gradwatch:remedies -->" in markdown:

@@ -1,0 +1,246 @@
+"""The documentation runs as written and stays true: the README's two commands and its quickstart
+(verbatim, twice), every docs code block marked to run, every config example, and every finding kind,
+detector setting, option, action and command-line option documented on its page."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import gradwatch as gw
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
+
+
+def blocks(path: Path) -> list[tuple[str, str, str]]:
+    """(language, marker, code) of every fenced block; the marker is the ``<!-- test: ... -->`` line before it."""
+    text = path.read_text(encoding="utf-8")
+    out = []
+    for found in FENCE.finditer(text):
+        before = text[:found.start()].rstrip().splitlines()
+        marker = re.fullmatch(r"<!-- test: ([\w-]+) -->", before[-1].strip()) if before else None
+        out.append((found.group(1), marker.group(1) if marker else "", found.group(2)))
+    return out
+
+
+def pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md"))
+
+
+def marked(kind: str) -> list[tuple[str, str]]:
+    """(id, code) of the docs blocks marked ``<!-- test: kind -->``."""
+    out = []
+    for page in pages():
+        for n, (_, _, code) in enumerate(b for b in blocks(page) if b[1] == kind):
+            out.append((f"{page.stem}-{n}", code))
+    return out
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+            "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+# ------------------------------------------------------------------ README
+def quickstart() -> str:
+    text = README.read_text(encoding="utf-8")
+    found = re.search(r"\[start:quickstart\] -->\n```python\n(.*?)```\n<!-- --8<-- \[end:quickstart\]", text, re.S)
+    assert found, "README.md: the quickstart's python block between its snippet markers"
+    return found.group(1)
+
+
+@pytest.mark.slow  # the quickstart twice, each in its own interpreter
+def test_readme_quickstart_runs_verbatim_twice(tmp_path: Path) -> None:
+    script = tmp_path / "quickstart.py"
+    script.write_text(quickstart(), encoding="utf-8")
+    for attempt in (1, 2):  # the second run replaces the first one's run (overwrite=True)
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env(), capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, f"attempt {attempt}:\n{done.stdout}\n{done.stderr}"
+        lines = done.stdout.splitlines()
+        assert lines[0] == "Run('runs/exp1', steps=192, status='finished')", done.stdout  # as its comments say
+        assert lines[1] == "['0', '1', '2']"
+        assert lines[-1] == "0 findings"
+        assert "step layer     metric     value" in done.stdout.replace("  ", " ") or "metric" in lines[2]
+        assert "Traceback" not in done.stderr and "gradwatch" not in done.stderr, done.stderr
+    run = gw.open_run(tmp_path / "runs" / "exp1")
+    assert (run.steps, run.status, run.live) == (192, "finished", False)
+    assert run.scalars()["loss"].iloc[-10:].mean() < run.scalars()["loss"].iloc[:10].mean() / 2, "it learns"
+
+
+def test_readme_quickstart_is_the_docs_quickstart() -> None:
+    assert '--8<-- "README.md:quickstart"' in (DOCS / "quickstart.md").read_text(encoding="utf-8")
+    compile(quickstart(), "README.md quickstart", "exec")
+
+
+def test_readme_has_the_two_commands_first_and_ci_runs_the_test_command_exactly() -> None:
+    text = README.read_text(encoding="utf-8")
+    first = next(code for lang, _, code in blocks(README) if lang == "bash")
+    commands = [line.split("#")[0].strip() for line in first.splitlines() if line.strip()]
+    assert commands == ['pip install -e . && gradwatch demo', 'pip install -e ".[test]" && python -m pytest']
+    advice = text.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    assert advice < text.index(first), "the CPU-only PyTorch advice comes before the command it protects"
+    assert "pip install gradwatch" not in text.replace("pip install gradwatch[", "")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert f"\n{commands[1]}\n" in ci, ".ci/run calls the README's test command exactly"
+    assert "mkdocs build --strict" in ci
+
+
+def test_readme_links_point_at_files_that_exist() -> None:
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text(encoding="utf-8")):
+        if not target.startswith(("http://", "https://")):
+            assert (ROOT / target).exists(), target
+
+
+# ------------------------------------------------------------------ docs code blocks
+RUN = marked("run")
+
+
+def test_there_are_runnable_blocks() -> None:
+    assert len(RUN) >= 1 and marked("config") and marked("pyproject")
+
+
+@pytest.mark.slow  # each block trains a small model in its own interpreter
+@pytest.mark.parametrize(("name", "code"), RUN, ids=[n for n, _ in RUN])
+def test_docs_block_runs(name: str, code: str, tmp_path: Path) -> None:
+    script = tmp_path / f"{name}.py"
+    script.write_text(code, encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"docs block {name}:\n{code}\n{done.stdout}\n{done.stderr}"
+
+
+def _validate(path: Path) -> None:
+    """Watch a small model with the file: every option, rule and detector setting in it is checked."""
+    model = gw.watch(nn.Linear(2, 1), run=path.parent / "run", rules=str(path), console=False, tensorboard=False)
+    gw.unwatch(model)
+
+
+@pytest.mark.parametrize(("name", "code"), marked("config"), ids=[n for n, _ in marked("config")])
+def test_docs_rules_file_is_valid(name: str, code: str, tmp_path: Path) -> None:
+    path = tmp_path / "gradwatch.toml"
+    path.write_text(code, encoding="utf-8")
+    _validate(path)
+
+
+@pytest.mark.parametrize(("name", "code"), marked("pyproject"), ids=[n for n, _ in marked("pyproject")])
+def test_docs_pyproject_table_is_valid(name: str, code: str, tmp_path: Path) -> None:
+    path = tmp_path / "pyproject.toml"
+    path.write_text(code, encoding="utf-8")
+    _validate(path)
+
+
+def _python_blocks() -> list[tuple[str, str]]:
+    out = []
+    for page in [*pages(), README]:
+        for n, (_, _, code) in enumerate(b for b in blocks(page) if b[0] == "python"):
+            out.append((f"{page.stem}-{n}", code))
+    return out
+
+
+@pytest.mark.parametrize(("name", "code"), _python_blocks(), ids=[n for n, _ in _python_blocks()])
+def test_every_python_block_is_valid_python(name: str, code: str) -> None:
+    """Fragments are not run, but each one parses: no pseudo-code passes for Python."""
+    included = re.fullmatch(r'--8<-- "([^"]+)"\n', code)
+    compile((ROOT / included.group(1)).read_text(encoding="utf-8") if included else code, name, "exec")
+
+
+def test_docs_markers_are_known() -> None:
+    for page in pages():
+        for lang, marker, _ in blocks(page):
+            assert marker in ("", "run", "config", "pyproject"), f"{page.name}: unknown marker {marker!r}"
+            assert not marker or (marker == "run") == (lang == "python"), f"{page.name}: {marker} on {lang}"
+
+
+# ------------------------------------------------------------------ the reference is complete
+def _rows(page: str) -> dict[str, str]:
+    """First cell (a `name`) -> the whole row, for every table row of a docs page."""
+    rows = {}
+    for line in (DOCS / page).read_text(encoding="utf-8").splitlines():
+        found = re.match(r"\| `([^`]+)`[^|]*\|", line)
+        if found:
+            rows.setdefault(found.group(1), line)
+    return rows
+
+
+def test_every_finding_kind_and_detector_setting_is_documented() -> None:
+    from gradwatch import detectors
+    from gradwatch.findings import KINDS
+
+    rows = _rows("findings.md")
+    for kind in KINDS:
+        assert kind in rows, f"docs/findings.md: no row for the finding kind {kind!r}"
+    for kind, cls in detectors.REGISTRY.items():
+        settings = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
+        for name in settings:
+            assert name == "enabled" or f"`{name}`" in rows[kind], f"docs/findings.md: {kind}'s setting {name!r}"
+
+
+def test_every_option_and_action_is_documented() -> None:
+    from gradwatch import actions
+    from gradwatch.options import Options
+
+    rows = _rows("configuration.md")
+    for field in dataclasses.fields(Options):
+        assert field.name in rows, f"docs/configuration.md: no row for the option {field.name!r}"
+    for name in actions.REGISTRY:
+        assert name in rows, f"docs/configuration.md: no row for the action {name!r}"
+
+
+def test_every_command_and_command_line_option_is_documented() -> None:
+    import click
+
+    from gradwatch.cli import COMMANDS, cli
+
+    for module in set(COMMANDS.values()):
+        importlib.import_module(module)
+    table = (DOCS / "cli.md").read_text(encoding="utf-8")
+    own = {"report": "report.md", "dashboard": "dashboard.md", "doctor": "doctor.md"}  # commands with a page
+    for name, command in cli.commands.items():
+        assert f"`gradwatch {name}" in table, f"docs/cli.md: the command {name!r} is not in the table"
+        text = table + (DOCS / own[name]).read_text(encoding="utf-8") if name in own else table
+        for param in command.params:
+            if isinstance(param, click.Option):
+                longest = max(param.opts, key=len)
+                if longest != "--help":
+                    assert f"`{longest}" in text, f"docs: gradwatch {name}'s option {longest} is not documented"
+
+
+def _hook():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("gradwatch_docs_hook", DOCS / "_hooks" / "generated.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_the_docs_build_refuses_pages_that_fetch_from_the_network(tmp_path: Path) -> None:
+    hook = _hook()
+    (tmp_path / "ok.html").write_text('<a href="https://pytorch.org">PyTorch</a><script src="assets/app.js"></script>')
+    assert hook.external_loads(tmp_path) == []
+    (tmp_path / "page.html").write_text(
+        '<link rel="stylesheet" href="https://fonts.googleapis.com/css?family=Roboto">'
+        '<script src="//cdn.example.com/x.js"></script><img alt="" src="https://example.com/a.png">')
+    (tmp_path / "style.css").write_text("@font-face { src: url('https://fonts.gstatic.com/r.woff2') }")
+    assert len(hook.external_loads(tmp_path)) == 4
+
+
+def test_the_docs_hook_writes_every_kinds_remedies() -> None:
+    hook = _hook()
+    from gradwatch.report.remedies import KINDS
+
+    text = hook.remedies()
+    for kind, explained in KINDS.items():
+        assert f"### `{kind}`: {explained.title}" in text and explained.remedies[0] in text
+    assert "<!-- gradwatch:remedies -->" in (DOCS / "findings.md").read_text(encoding="utf-8")
