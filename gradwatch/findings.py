@@ -8,7 +8,7 @@ from typing import Any
 #: severities in increasing order
 SEVERITIES = ("info", "warning", "error")
 
-#: every finding kind, in the order the README documents them
+#: every finding kind, in the order docs/findings.md documents them
 KINDS = (
     "nonfinite",
     "vanishing",

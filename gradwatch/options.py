@@ -28,7 +28,7 @@ MAX_FLUSH_SECONDS = 3600.0
 
 @dataclass(frozen=True)
 class Options:
-    """Settings of a watcher; see the README's "Options" table for each field.
+    """Settings of a watcher; docs/configuration.md's "Options" table explains each field.
 
     Attributes:
         log_every: per-layer series are written on steps that are multiples of it.
@@ -42,7 +42,7 @@ class Options:
         flush_seconds: longest time a record waits in the writer before it is committed
             (at most an hour).
         detectors: per-detector settings, ``{kind: {setting: value}}`` (``enabled=False``
-            turns one off); see the README's detector table.
+            turns one off); see the detector table of docs/findings.md.
         cooldown: steps during which a repeat of the same finding (kind, layer, severity) is
             counted instead of written again.
         flight_recorder: steps of full per-layer statistics kept in memory and written when a
