@@ -230,7 +230,7 @@ def test_model_cause_names_the_weights_that_grew(run_dir: Path) -> None:
     root = row.data["root_cause"]
     assert (root["op"], root["cause"], root["precision_replay"]) == ("aten::exp", "model", "float64")
     assert [d["param"] for d in root["grew"]] == ["0.weight"] and 9e3 < root["grew"][0]["ratio"] < 1.1e4
-    assert "weights that grew: 0.weight x" in row.message
+    assert "weights that grew: '0.weight' x" in row.message
 
 
 def test_capture_tells_inputs_changed_in_place_and_keeps_no_version_for_inference_tensors() -> None:

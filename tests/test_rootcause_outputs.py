@@ -59,7 +59,7 @@ def test_console_prints_the_op_line_fact_cause_and_samples(tmp_path: Path, capsy
     train(tmp_path / "run", console=True)
     err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
     assert "gradwatch error step 2 nonfinite 1: NaN born in `aten::log` at test_rootcause_outputs.py:" in err
-    assert f"`{CODE}` in the forward pass of 1 (Feature) at step 2: {FACT}; cause: model" in err
+    assert f"`{CODE}` in the forward pass of '1' (Feature) at step 2: {FACT}; cause: model" in err
     assert "samples to blame: sample 4 (id 'row-2-4')" in err
 
 
@@ -84,7 +84,7 @@ def test_check_json_has_the_new_fields(run: Path) -> None:
 
 def test_report_shows_the_line_the_fact_and_the_samples_values(run: Path) -> None:
     html = render(run)
-    assert "<dt>op</dt><dd>aten::log (forward) in 1</dd>" in html
+    assert "<dt>op</dt><dd>aten::log (forward) in &#39;1&#39;</dd>" in html
     assert f"<dt>code</dt><dd><code>{CODE}</code></dd>" in html
     assert f"<dt>input fact</dt><dd>{FACT.replace(chr(39), '&#39;')}</dd>" in html
     blamed = "sample 4 (id &#39;row-2-4&#39;), by rows of the op&#39;s output that are NaN/Inf"
@@ -96,7 +96,7 @@ def test_report_shows_the_line_the_fact_and_the_samples_values(run: Path) -> Non
 def test_dashboard_lists_the_root_cause_rows(run: Path) -> None:
     found = dashboard.findings(gw.open_run(run))["findings"][0]
     rows = dict((k, v) for k, v in found["root_cause"] if k != "sample values")
-    assert rows["op"] == "aten::log (forward) in 1" and rows["code"] == CODE and rows["input fact"] == FACT
+    assert rows["op"] == "aten::log (forward) in '1'" and rows["code"] == CODE and rows["input fact"] == FACT
     assert rows["cause"].startswith("model: reproducible in float64 with a finite batch")
     assert rows["line"].startswith("test_rootcause_outputs.py:")
 

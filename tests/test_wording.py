@@ -64,8 +64,6 @@ def test_a_nan_attributed_to_a_sequential_child_names_it_quoted(tmp_path: Path) 
     assert "gradient elements in 2 layers are NaN/Inf" in message, message
 
 
-@pytest.mark.xfail(strict=True, reason="gradwatch/rootcause/words.py writes the layer without gradwatch.wording.layer "
-                                       "(reported to the lead in issue 19's note)")
 def test_a_nan_born_in_a_sequential_child_names_it_quoted(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 8), Log(), nn.Linear(8, 1))
     found = _train(model, tmp_path / "run", steps=2, lr=0.01).findings()  # replayed: the root cause's words

@@ -23,6 +23,7 @@ from gradwatch.probe import first_tensor
 from gradwatch.rootcause.facts import g
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.state import LOW_PRECISION, Autocast, Rng, devices, finite, floats
+from gradwatch.wording import layer
 
 DATA, PRECISION, NOT_REPRODUCIBLE, MODEL = "data", "precision", "not_reproducible", "model"
 #: a parameter whose norm grew by more than this factor since watching began "grew"
@@ -117,7 +118,7 @@ def precision(module: nn.Module, call: dict[str, Any], located: Located, autocas
 
 def words_precision(located: Located, dtype: str, autocast: Autocast, op: str | None) -> str:
     """The detail of a precision cause: what ran narrower, and what to do."""
-    what = f"{located.name} stays finite when replayed in {dtype}"
+    what = f"{layer(located.name)} stays finite when replayed in {dtype}"
     if dtype == "float32":
         ran = f"{str(autocast.dtype).removeprefix('torch.')} autocast" if autocast.enabled else "half precision"
         fix = f"use bf16 instead of fp16, loss scaling (torch.amp.GradScaler), or run {op or 'that op'} in float32"
@@ -131,7 +132,7 @@ def words_model(grew: list[dict[str, Any]], dtype: str | None) -> str:
     where = f"in {dtype} " if dtype else ""
     text = f"reproducible {where}with a finite batch: a bug in the code at that line, or diverged weights"
     if grew:
-        named = ", ".join(f"{d['param']} {g(d['from'])} -> {g(d['to'])} (x{g(d['ratio'])})" for d in grew)
+        named = ", ".join(f"{layer(d['param'])} {g(d['from'])} -> {g(d['to'])} (x{g(d['ratio'])})" for d in grew)
         return f"{text}; parameter norms that grew since gradwatch began watching: {named}"
     return (f"{text}; no parameter norm grew more than {GREW:g}x since gradwatch began watching, so the op's "
             "inputs are to blame")

@@ -12,6 +12,7 @@ from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.samples import blamed, concentrated, nonfinite_rows, outliers
 from gradwatch.rootcause.state import Rng
+from gradwatch.wording import layer
 
 
 def _rank() -> int | None:
@@ -69,12 +70,12 @@ def diagnose(model: nn.Module, cap: Capture, located: Located, rng: Rng, referen
     search = ops.search if located.phase == "forward" else nodes.search
     born, call = search(model, cap, located, rng)
     root: dict[str, Any] = born.to_json() if born is not None else {
-        "op": None, "note": f"no single op inside {located.name} gave birth to the NaN/Inf in the replay"}
+        "op": None, "note": f"no single op inside {layer(located.name)} gave birth to the NaN/Inf in the replay"}
     if born is not None and born.layer not in (None, located.name):
         origin["layer"] = born.layer
         origin["type"] = type(dict(model.named_modules()).get(born.layer, located.module)).__name__
-        origin["note"] = (f"{located.name} ({located.kind}) returns -inf/inf by design; the first NaN/Inf that "
-                          f"was not meant was born in {born.layer}")
+        origin["note"] = (f"{layer(located.name, located.kind)} returns -inf/inf by design; the first NaN/Inf "
+                          f"that was not meant was born in {layer(born.layer)}")
     rows = None
     if born is not None and born.rows is not None:
         rows = nonfinite_rows(born.rows, batch)

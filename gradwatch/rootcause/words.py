@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gradwatch.wording import layer
+
 #: the keys of an origin (see :class:`gradwatch.origin.Tracker`) that a finding's data carries as they are
 CARRIED = ("root_cause", "samples", "replay_ms", "source")
 #: sample indices and ids named in a message at most
@@ -50,7 +52,7 @@ def cause_phrase(root: dict[str, Any]) -> str | None:
         why = f"reproducible in {wider} with a finite batch" if wider else "reproducible with a finite batch"
         grew = root.get("grew") or []
         if grew:
-            why += "; weights that grew: " + ", ".join(f"{d['param']} x{d['ratio']:.3g}" for d in grew)
+            why += "; weights that grew: " + ", ".join(f"{layer(d['param'])} x{d['ratio']:.3g}" for d in grew)
     else:
         why = str(root.get("cause_detail") or "")
     return f"cause: {name}" + (f" ({why})" if why else "")
@@ -63,7 +65,7 @@ def op_phrase(origin: dict[str, Any]) -> str | None:
         return None
     what = f"{root.get('born') or 'NaN/Inf'} born in "
     if root.get("param"):
-        what += f"the gradient of {root['param']}, in "
+        what += f"the gradient of {layer(root['param'])}, in "
     what += f"`{root['op']}`"
     if root.get("node"):
         what += f" ({root['node']})"
@@ -73,9 +75,8 @@ def op_phrase(origin: dict[str, Any]) -> str | None:
         what += f" at {os.path.basename(str(root['file']))}:{root['line']}"
         if root.get("code"):
             what += f" `{root['code']}`"
-    layer, kind = origin.get("layer"), origin.get("type")
-    if layer is not None:
-        what += f" in the {origin.get('phase')} pass of {layer}" + (f" ({kind})" if kind else "")
+    if origin.get("layer") is not None:
+        what += f" in the {origin.get('phase')} pass of {layer(origin['layer'], origin.get('type'))}"
     return what
 
 
@@ -91,7 +92,7 @@ def nonfinite_message(origin: dict[str, Any], step: int, what: list[str]) -> str
     elif root.get("cause") == "not_reproducible":
         head = f"NaN/Inf at step {step} did not come back when the step was replayed"
         if origin.get("layer"):
-            head += f" (latest layer with a NaN/Inf gradient: {origin['layer']})"
+            head += f" (latest layer with a NaN/Inf gradient: {layer(origin['layer'])})"
     elif root.get("cause") == "data" and origin.get("source") == "input":
         head = f"The model's input batch holds NaN/Inf at step {step}"
     elif origin.get("source") == "loss":
@@ -100,9 +101,8 @@ def nonfinite_message(origin: dict[str, Any], step: int, what: list[str]) -> str
                 "The model's output is finite but the loss is NaN/Inf (born in the loss function)")
         head += f" at step {step}"
     elif origin.get("layer") is not None and root.get("note"):  # the module is known, no single op in it
-        kind = f" ({origin['type']})" if origin.get("type") else ""
-        head = f"NaN/Inf first appeared in the {origin.get('phase')} pass of {origin['layer']}{kind} at step {step}: " \
-               f"{root['note']}"
+        where = layer(origin["layer"], origin.get("type"))
+        head = f"NaN/Inf first appeared in the {origin.get('phase')} pass of {where} at step {step}: {root['note']}"
     else:
         return None
     cause = cause_phrase(root)
@@ -145,10 +145,12 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str]]:
     root: dict[str, Any] = data["root_cause"] if isinstance(data.get("root_cause"), dict) else {}
     if root.get("op"):
         where = ", ".join(x for x in (root.get("node"), root.get("phase")) if x)
-        op = f"{root['op']}" + (f" ({where})" if where else "") + (f" in {root['layer']}" if root.get("layer") else "")
+        op = f"{root['op']}" + (f" ({where})" if where else "")
+        if root.get("layer"):
+            op += f" in {layer(root['layer'])}"
         out.append(("op", op))
         if root.get("param"):
-            out.append(("parameter", f"the gradient of {root['param']}"))
+            out.append(("parameter", f"the gradient of {layer(root['param'])}"))
         if root.get("file"):
             mine = "" if root.get("user_code", True) else " (inside torch: no line of yours ran it)"
             out.append(("line", f"{os.path.basename(str(root['file']))}:{root.get('line')}{mine}"))
