@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -37,16 +38,23 @@ class _Group(click.Group):
             importlib.import_module(COMMANDS[cmd_name])
         return super().get_command(ctx, cmd_name)
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:  # type: ignore[override]
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         """Run the command; in standalone mode every error is one ``gradwatch: error: ...`` line and exit 2.
 
         Click's own usage errors (a bad option value, a missing argument, an unknown command) would
         print a usage block and an ``Error:`` line; they become the same one line as gradwatch's.
         """
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            return super().main(args, prog_name, complete_var, False, **extra)
         try:
-            result = super().main(*args, standalone_mode=False, **kwargs)
+            result = super().main(args, prog_name, complete_var, False, **extra)
         except click.ClickException as exc:
             click.echo(one_line(exc), err=True)
             sys.exit(USAGE_ERROR if isinstance(exc, click.UsageError) else exc.exit_code)
