@@ -29,6 +29,7 @@ def test_subpackages_import_from_their_directories() -> None:
     assert Path(gradwatch.dashboards.__file__).parent == ROOT / "dashboards"
 
 
+@pytest.mark.slow  # builds a wheel
 def test_wheel_contains_all_three_packages(tmp_path: Path) -> None:
     # build from a copy without build/ and *.egg-info: a stale build/lib would hide a missing package
     source = tmp_path / "src"
@@ -84,7 +85,12 @@ def test_a_built_wheel_installs_into_a_fresh_venv_and_runs(tmp_path: Path) -> No
     helped = subprocess.run([str(bin_dir / "gradwatch"), "--help"], env=env, cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
     assert helped.returncode == 0 and "Usage: gradwatch" in helped.stdout
-    demo = subprocess.run([str(bin_dir / "gradwatch"), "demo", "--steps", "5", "--run", "runs/demo"], env=env,
+    # past the demo's planted NaN at step 100: its replay (gradwatch.rootcause) runs from the wheel too
+    demo = subprocess.run([str(bin_dir / "gradwatch"), "demo", "--steps", "110", "--run", "runs/demo"], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert (tmp_path / "runs" / "demo" / "report.html").is_file()  # the templates and plotly.js came with it
+    found = subprocess.run([str(bin_dir / "python"), "-c", "import gradwatch as gw; f = gw.open_run('runs/demo')"
+                            ".findings(); print(f.loc[f.kind == 'nonfinite', 'data'].iloc[0]['origin'])"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert found.stdout.strip() == "replayed", found.stdout + found.stderr
