@@ -93,11 +93,17 @@ class Judge:
             self._flight.append(record)
 
     # ------------------------------------------------------------- decisions
-    def defer(self, findings: Sequence[Finding]) -> None:
-        """Persist findings made outside an optimizer step; their actions run at the next step."""
+    def defer(self, findings: Sequence[Finding], *, skipped: bool = False) -> None:
+        """Persist findings made outside an optimizer step; their actions run at the next step.
+
+        With ``skipped`` (a step a GradScaler skipped), the actions on that step's own update are
+        done already: skip (nothing was applied) and clip (nothing to clip) do not carry over to
+        the next, healthy step; rollback, scale_lr and halt do.
+        """
         decide(self.rules or [], findings).label(record_only=self.rules is None)
         self.record(findings)
-        self._deferred.extend(f for f in findings if self.rules)
+        void = ("skip", "clip") if skipped else ()
+        self._deferred.extend(f for f in findings if self.rules and f.action not in void)
 
     def step(self, record: StepRecord, findings: list[Finding], control: Control) -> str:
         """Persist the step's findings, run the actions the rules decide, persist their outcomes,

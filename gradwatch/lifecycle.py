@@ -179,10 +179,9 @@ class Lifecycle(Recording):
 
     def _overflowed(self, step: int, now: float, measured: Measured) -> None:
         """A step whose unscaled gradients are not finite: the GradScaler skips it (a framework said so)."""
-        scale = self._loss_scale()
+        scale = self._loss_scale()  # the framework's scaler; nan when gradwatch cannot reach it
         scalars = dict(measured.scalars)
-        if scale is not None:
-            scalars[AMP_SCALE] = float(stats.to_host([scale])[0])  # a rare step: one more read
+        scalars[AMP_SCALE] = float(stats.to_host([scale])[0]) if scale is not None else math.nan  # a rare step
         record = StepRecord(step=step, time=now, layout=self.found.layout, scalars=scalars, skipped=True,
                             logged=self.logged(step))
         self.why_dropped(record, self.tracker.captures if self.tracker is not None else [])

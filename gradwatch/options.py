@@ -134,8 +134,8 @@ class Options:
                 raise ConfigError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if (not isinstance(self.flush_seconds, (int, float)) or isinstance(self.flush_seconds, bool)
                 or not 0 < self.flush_seconds <= MAX_FLUSH_SECONDS):
-            raise ConfigError(f"option flush_seconds must be a number of seconds in (0, {MAX_FLUSH_SECONDS:g}], "
-                              f"got {self.flush_seconds!r}")
+            raise ConfigError(f"option flush_seconds must be a finite positive number of seconds, at most "
+                              f"{MAX_FLUSH_SECONDS:g}, got {self.flush_seconds!r}")
         prometheus_settings(self.prometheus)
         for name in sink_settings(self.sinks):
             from gradwatch import plugins

@@ -192,7 +192,7 @@ class Recording:
         findings = self.judge.check(record)
         self.submit(record)
         if findings:
-            self.judge.defer(findings)
+            self.judge.defer(findings, skipped=True)
         if not self.sampled(self.step):
             self.it.probe.detach_activations()
 

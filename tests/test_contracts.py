@@ -69,6 +69,7 @@ class TestWarn(ActionContract):
 class TestClip(ActionContract):
     action = clip.Clip
     params = {"max_norm": 1.0}
+    acts_on_nan = False
 
 
 class TestSkip(ActionContract):

@@ -130,13 +130,14 @@ def test_amp_overflow_is_info_and_repeats_are_counted(run_dir: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     gw.watch(model, run=run_dir, console=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     for step in range(12):
         x = torch.randn(16, 8)
         opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        if step in (3, 4, 5):
-            continue  # the loop drops these gradients without a step, as a GradScaler does on overflow
-        opt.step()
+        loss = model(x).pow(2).mean() * (1e35 if step in (3, 4, 5) else 1.0)  # scaled, these overflow
+        scaler.scale(loss).backward()
+        scaler.step(opt)  # skips the optimizer on an overflow, and the scale backs off
+        scaler.update()
     gw.unwatch(model)
     found = gw.open_run(run_dir).findings()
     amp = found[found.kind == "amp_overflow"]
@@ -172,8 +173,8 @@ def test_flight_recorder_keeps_the_lead_up_at_full_resolution(run_dir: Path) -> 
 
 @pytest.mark.parametrize("passes_preclip", [False, True])
 def test_a_loop_that_clips_itself_passes_the_preclip_norm_for_exploding(run_dir: Path, passes_preclip: bool) -> None:
-    """After clip_grad_norm_ gradwatch sees clipped gradients; observing the returned pre-clip norm
-    lets the exploding detector judge the real one (README: Attaching)."""
+    """After clip_grad_norm_ gradwatch sees clipped gradients, yet the exploding detector judges the
+    norm before the clip: measured by gradwatch (issue 15), or observed by the loop."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
     x, y = torch.randn(64, 4), torch.randn(64, 1)
@@ -189,6 +190,8 @@ def test_a_loop_that_clips_itself_passes_the_preclip_norm_for_exploding(run_dir:
         opt.step()
     gw.unwatch(model)
     with gw.open_run(run_dir) as run:
-        kinds = [(r.step, r.kind) for r in run.findings().itertuples()]
-    assert ((60, "exploding") in kinds) == passes_preclip
+        found = run.findings()
+        kinds = [(r.step, r.kind) for r in found.itertuples()]
+    assert (60, "exploding") in kinds
+    assert "before clipping" in found[(found.step == 60) & (found.kind == "exploding")]["message"].iloc[0]
     assert (60, "loss_spike") in kinds

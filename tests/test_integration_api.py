@@ -238,14 +238,13 @@ def test_exploding_judges_the_norm_before_clipping_when_it_is_observed(tmp_path:
         gw.unwatch(model)
         return gw.open_run(run)
 
-    clipped_only = train(tmp_path / "a", report_preclip=False)
-    assert clipped_only.findings().empty, "after clipping, the global norm is capped: the spike is hidden"
-    run = train(tmp_path / "b", report_preclip=True)
-    found = run.findings()
-    assert list(found.kind) == ["exploding"] and list(found.step) == [30]
-    assert "before clipping" in found.message.iloc[0]
-    assert max(run.series("grad_norm")[1]) <= 0.5 + 1e-5
-    assert run.series("grad_norm_preclip")[1][30] > 100
+    for run in (train(tmp_path / "a", report_preclip=False), train(tmp_path / "b", report_preclip=True)):
+        # measured by gradwatch (issue 15) or observed by the loop: the clip does not hide the spike
+        found = run.findings()
+        assert list(found.kind) == ["exploding"] and list(found.step) == [30]
+        assert "before clipping" in found.message.iloc[0]
+        assert max(run.series("grad_norm")[1]) <= 0.5 + 1e-5
+        assert run.series("grad_norm_preclip")[1][30] > 100
 
 
 def test_check_settings_refuses_what_watch_refuses() -> None:

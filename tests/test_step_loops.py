@@ -124,6 +124,7 @@ def test_under_a_gradscaler_a_nan_forward_is_nonfinite_with_its_origin_and_an_ov
     with gw.open_run(run) as opened:
         found = opened.findings()
         scale = opened.metrics("amp_scale")
+    found = found[found.kind.isin(["amp_overflow", "nonfinite"])].reset_index(drop=True)
     rows = list(zip(found["kind"], found["step"], found["layer"], found["severity"]))
     assert rows == [("amp_overflow", 4, None, "info"), ("nonfinite", 7, "attn", "error")], found
     assert found.iloc[1]["phase"] == "forward"

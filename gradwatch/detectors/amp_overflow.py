@@ -46,11 +46,17 @@ class AmpOverflow(Detector):
         n = self._run
         severity = "error" if n >= self.error_after else "warning" if n >= self.warn_after else "info"
         if n == 1:
-            message = (f"step {record.step} was skipped by the GradScaler: its scaled gradients overflowed "
-                       f"(loss scale now {record.scalars[AMP_SCALE]:g}).")
+            message = (f"step {record.step} was skipped by the GradScaler: its scaled gradients "
+                       f"overflowed{_scale(record)}.")
         else:
-            message = (f"{n} steps in a row skipped by the GradScaler up to step {record.step} (loss scale now "
-                       f"{record.scalars[AMP_SCALE]:g}, still falling): training is not progressing.")
+            message = (f"{n} steps in a row skipped by the GradScaler up to step {record.step}{_scale(record)}: "
+                       "training is not progressing.")
         if severity != "info" and n not in (self.warn_after, self.error_after):
             return []
         return [self.finding(record, severity, None, message, value=float(n), data={"consecutive": n, "hint": HINT})]
+
+
+def _scale(record: StepRecord) -> str:
+    """`` (loss scale now X)`` when the scale is known."""
+    scale = record.scalars.get(AMP_SCALE, math.nan)
+    return f" (loss scale now {scale:g})" if math.isfinite(scale) else ""
