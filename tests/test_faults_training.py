@@ -151,7 +151,8 @@ def test_after_an_internal_failure_the_watcher_stays_reachable_and_does_nothing(
 
 # ----------------------------------------------------------------- item 2
 def test_flush_seconds_beyond_an_hour_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(gw.ConfigError, match=r"flush_seconds must be a finite positive number of seconds, at most 3600"):
+    with pytest.raises(gw.ConfigError, match=r"flush_seconds must be a finite positive number of seconds, at most 3600"
+                       ):
         gw.watch(_model(), run=tmp_path / "run", flush_seconds=1e10)
     assert not (tmp_path / "run").exists()
 
