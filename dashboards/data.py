@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from gradwatch import downsample
+from gradwatch.errors import DamagedStoreError
 from gradwatch.report import items as explained
 from gradwatch.report import marks
 from gradwatch.report import summary as report_summary
@@ -410,7 +411,10 @@ def layer(run: Run, cache: Envelopes, name: str, start: int | None = None, stop:
     end = _stop(run, lo, hi)
     exact = end - lo <= RAW_STEPS
     if exact:
-        frame = run.metrics(list(METRICS), layers=[name], steps=slice(lo, end), include_global=False)
+        try:
+            frame = run.metrics(list(METRICS), layers=[name], steps=slice(lo, end), include_global=False)
+        except ValueError as exc:  # a layer run.layers lists and the store does not know: its indexes disagree
+            raise DamagedStoreError(f"the run store of {str(run.path)!r} is damaged: {exc}") from None
         for metric, group in frame.groupby("metric", sort=False):
             s, v = downsample.minmax(group["step"].to_numpy(), group["value"].to_numpy(), MAX_POINTS)
             series[str(metric)] = {"steps": s.tolist(), "values": _finite(v)}

@@ -268,7 +268,7 @@ def test_corrupted_run_is_reported_not_crashed(tmp_path: Path) -> None:
     (bad / DB_NAME).write_bytes(b"SQLite format 3\x00" + b"\x00" * 200)
     client = TestClient(create_app(tmp_path), base_url="http://127.0.0.1")
     rows = {r["id"]: r for r in get(client, "/api/runs")}
-    assert rows["bad"]["status"] == "unreadable" and "corrupted" in rows["bad"]["error"]
+    assert rows["bad"]["status"] == "damaged" and "corrupted" in rows["bad"]["error"]
     response = client.get("/api/run/summary", params={"run": "bad"})
     assert response.status_code == 422 and "corrupted" in response.json()["error"]
 

@@ -108,6 +108,7 @@ def test_any_loopback_address_keeps_the_host_check(folders: tuple[Path, Path]) -
     assert open_client.get("/api/runs", headers={"host": "attacker.example"}).status_code == 200
 
 
+@pytest.mark.slow
 def test_a_real_server_on_127_0_0_2_refuses_other_hosts(folders: tuple[Path, Path]) -> None:
     root, _ = folders
     with start(root, host="127.0.0.2") as dash:
@@ -119,6 +120,7 @@ def test_a_real_server_on_127_0_0_2_refuses_other_hosts(folders: tuple[Path, Pat
             assert forged.headers.get(name) == value, name
 
 
+@pytest.mark.slow
 def test_cli_on_a_loopback_address_does_not_warn(folders: tuple[Path, Path]) -> None:
     root, _ = folders
     process = subprocess.Popen([sys.executable, "-m", "gradwatch", "dashboard", str(root), "--host", "127.0.0.2",

@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -61,6 +62,7 @@ FULL_DISK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_snapshot_write_that_fails_leaves_no_temporary_file(tmp_path: Path) -> None:
     folder = tmp_path / "snaps"
     script = tmp_path / "full.py"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gradwatch.errors import GradwatchError
+from gradwatch.errors import DamagedStoreError, GradwatchError
 from gradwatch.findings import rank
 from gradwatch.store.reader import open_run
 from gradwatch.store.schema import DB_NAME
@@ -30,7 +30,11 @@ def updated(run_dir: Path) -> float:
 
 
 def describe_run(run_dir: Path, root: Path) -> dict[str, Any]:
-    """One row of ``gradwatch ls``: name, steps, status, verdict, counts, last update."""
+    """One row of ``gradwatch ls``: name, steps, status, verdict, counts, last update.
+
+    A run that cannot be read has status ``damaged`` (its store is corrupted or holds values its
+    writer could not have written) or ``unreadable`` (anything else), and its ``error``.
+    """
     name = str(run_dir.relative_to(root)) if run_dir != root else str(run_dir)
     row: dict[str, Any] = {"run": name if name != "." else str(run_dir), "path": str(run_dir),
                            "updated": updated(run_dir)}
@@ -40,6 +44,10 @@ def describe_run(run_dir: Path, root: Path) -> dict[str, Any]:
             worst = max(counts, key=rank, default=None)
             row.update(steps=run.steps, status=run.status, worst=worst,
                        findings={s: int(counts.get(s, 0)) for s in ("info", "warning", "error")})
-    except GradwatchError as exc:
-        row.update(steps=None, status="unreadable", worst=None, findings=None, error=str(exc))
+    except GradwatchError as exc:  # one run that cannot be read never stops the others from being listed
+        status = "damaged" if isinstance(exc, DamagedStoreError) else "unreadable"
+        row.update(steps=None, status=status, worst=None, findings=None, error=str(exc))
+    except Exception as exc:  # a damage the reader does not know yet: still one row, never a failed listing
+        row.update(steps=None, status="unreadable", worst=None, findings=None,
+                   error=f"the run store of {name!r} cannot be read: {type(exc).__name__}: {exc}")
     return row

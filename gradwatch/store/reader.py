@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sqlite3
@@ -17,8 +16,9 @@ import pandas as pd
 
 from gradwatch.errors import RunError, SchemaError
 from gradwatch.records import LAYER, PARAM, Layout, StepRecord
+from gradwatch.store import decode
 from gradwatch.store import names as _names
-from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION, unpack
+from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION
 
 
 @dataclass
@@ -68,7 +68,9 @@ def open_run(path: str | os.PathLike[str]) -> Run:
     step recorded so far is read; ``run.live`` then tells that it is still being written.
 
     Raises:
-        RunError: the path does not exist, is not a gradwatch run, or its store is corrupted.
+        RunError: the path does not exist, is not a gradwatch run, or cannot be read.
+        DamagedStoreError: the store is corrupted, truncated or holds values its writer could not have
+            written (also raised by any read that meets such a value later).
         SchemaError: the run was written by a newer gradwatch.
     """
     return Run(path)
@@ -79,19 +81,26 @@ class Run:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         p = Path(path)
-        db = p / DB_NAME if p.is_dir() else p
-        if not p.exists():
-            raise RunError(f"no run at {str(p)!r}: the path does not exist")
-        if not db.is_file() or (p.is_file() and p.name != DB_NAME and not _looks_like_sqlite(p)):
-            raise RunError(f"{str(p)!r} is not a gradwatch run: it holds no {DB_NAME}")
+        try:
+            db = p / DB_NAME if p.is_dir() else p
+            if not p.exists():
+                raise RunError(f"no run at {str(p)!r}: the path does not exist")
+            if not db.is_file() or (p.is_file() and p.name != DB_NAME and not _looks_like_sqlite(p)):
+                raise RunError(f"{str(p)!r} is not a gradwatch run: it holds no {DB_NAME}")
+        except OSError as exc:
+            raise RunError(f"cannot read {str(p)!r}: {exc.strerror or exc}") from None
         self.path = db.parent
         self._db = db
         try:
             self._conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
             version = self._conn.execute("PRAGMA user_version").fetchone()[0]
-            rows = self._conn.execute("SELECT key, value FROM meta").fetchall()
+            tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            rows = self._conn.execute("SELECT key, value FROM meta").fetchall() if "meta" in tables else []
         except sqlite3.DatabaseError as exc:
-            raise RunError(f"the run store {str(db)!r} is corrupted or unreadable: {exc}") from None
+            raise decode.sqlite_error(db, exc) from None
+        if not rows and not (tables - {"meta"}):
+            raise RunError(f"{str(p)!r} is not a gradwatch run: its {DB_NAME} holds no run (its creation was "
+                           "interrupted); a new run can be written there")
         if version > SCHEMA_VERSION:
             from gradwatch.version import __version__
 
@@ -99,7 +108,7 @@ class Run:
                 f"the run at {str(self.path)!r} was written with store schema {version}, newer than "
                 f"{SCHEMA_VERSION} which gradwatch {__version__} reads; upgrade gradwatch to read it"
             )
-        self.meta: dict[str, Any] = {k: json.loads(v) for k, v in rows}
+        self.meta: dict[str, Any] = decode.meta(db, rows)
         # a run written by this process: flush its writer so that every step recorded so far is read
         # (no registry imported means no watcher in this process, and readers need not import torch)
         registry = sys.modules.get("gradwatch.registry")
@@ -126,13 +135,15 @@ class Run:
         try:
             return self._conn.execute(sql, tuple(args)).fetchall()
         except sqlite3.DatabaseError as exc:
-            raise RunError(f"the run store {str(self._db)!r} is corrupted or unreadable: {exc}") from None
+            raise decode.sqlite_error(self._db, exc) from None
 
     @property
     def status(self) -> str:
         """``running``, ``finished``, ``halted``, or ``crashed`` (its writer died while running)."""
         row = self._query("SELECT value FROM meta WHERE key = 'status'")
-        status = json.loads(row[0][0]) if row else "unknown"
+        status = decode.json_text(self._db, "metadata 'status'", row[0][0]) if row else "unknown"
+        if not isinstance(status, str):
+            raise decode.damaged(self._db, f"metadata 'status' holds {status!r}, not a status")
         if status == "running" and not _alive(self.meta.get("pid"), self.meta.get("host")):
             return "crashed"
         return str(status)
@@ -170,6 +181,7 @@ class Run:
         (steps, last), = self._query("SELECT COUNT(*), MAX(step) FROM steps")
         (row,), = self._query("SELECT MAX(rowid) FROM vectors")
         (findings,), = self._query("SELECT COUNT(*) FROM findings")
+        decode.checked(self._db, "the steps", {"the last step": last})
         return {"steps": int(steps), "last_step": None if last is None else int(last), "row": int(row or 0),
                 "findings": int(findings), "status": self.status}
 
@@ -187,16 +199,18 @@ class Run:
             sql = "SELECT MIN(step), MAX(step), MAX(rowid) FROM vectors WHERE scope = ? AND metric = ?"
             args = (scope, metric)
         (first, last, newest), = self._query(sql, args)
+        decode.checked(self._db, f"the vectors of {metric!r}", {"a step": first, "the last step": last})
         return None if first is None else (int(first), int(last), int(newest))
 
     def _latest_layout(self) -> int:
         row = self._query("SELECT MAX(layout) FROM layouts")[0][0]
-        return int(row) if row is not None else 0
+        return decode.integer(self._db, "a layout version", row) if row is not None else 0
 
     def _entries(self, layout: int, scope: str) -> list[str]:
         rows = self._query(
             "SELECT name FROM entries WHERE layout = ? AND scope = ? ORDER BY idx", (layout, scope)
         )
+        decode.entries(self._db, rows, f"the layout {layout}")
         return [r[0] for r in rows]
 
     @property
@@ -215,6 +229,7 @@ class Run:
             "SELECT name, type, numel, leaf FROM entries WHERE layout = ? AND scope = ? ORDER BY idx",
             (self._latest_layout(), LAYER),
         )
+        decode.entries(self._db, rows, "the latest layout")
         frame = pd.DataFrame(rows, columns=["layer", "type", "params", "leaf"])
         frame["leaf"] = frame["leaf"].astype(bool)
         return frame
@@ -231,17 +246,20 @@ class Run:
                            (version,))
         layers = [r for r in rows if r[0] == LAYER]
         params = [r for r in rows if r[0] == PARAM]
+        for scope in (layers, params):
+            decode.entries(self._db, [r[1:] for r in scope], f"the layout {version}")
         if not layers:
             raise RunError(f"the run at {str(self.path)!r} has no layout {version}")
         try:
             info_rows = self._conn.execute("SELECT data FROM layout_info WHERE layout = ?", (version,)).fetchall()
         except sqlite3.OperationalError:  # a store from before the table existed
             info_rows = []
+        except sqlite3.DatabaseError as exc:
+            raise decode.sqlite_error(self._db, exc) from None
         names = [r[1] for r in layers]
         if info_rows:
-            info = json.loads(info_rows[0][0])
-            owners = tuple((int(a), int(b)) for a, b in info["owners"])
-            saturating, trainable = tuple(info["saturating"]), tuple(bool(t) for t in info["trainable"])
+            owners, saturating, trainable = decode.layout_info(self._db, version, info_rows[0][0], len(layers),
+                                                               len(params))
         else:
             position = {n: i for i, n in enumerate(names)}
             owners = tuple((position[owner], j) for j, r in enumerate(params)
@@ -271,12 +289,13 @@ class Run:
         last = self._query("SELECT MAX(step) FROM steps")[0][0]
         if last is None:
             return
-        for start in range(0, int(last) + 1, chunk):
+        for start in range(0, decode.integer(self._db, "the last step", last) + 1, chunk):
             window = slice(start, start + chunk)
             where, args = _where("name", None, window)
             scalars: dict[int, dict[str, float]] = {}
-            for name, step, value in self._query(f"SELECT name, step, value FROM scalars WHERE {where}", args):
-                scalars.setdefault(int(step), {})[name] = math.nan if value is None else float(value)
+            with decode.decoding(self._db, "the global scalars"):
+                for name, step, value in self._query(f"SELECT name, step, value FROM scalars WHERE {where}", args):
+                    scalars.setdefault(int(step), {})[name] = math.nan if value is None else float(value)
             vectors: dict[int, dict[tuple[str, str], np.ndarray]] = {}
             for scope in (LAYER, PARAM):
                 for block in self._blocks(scope, None, window):
@@ -287,12 +306,14 @@ class Run:
                                "WHERE step >= ? AND step < ? ORDER BY step", (window.start, window.stop))
             for step, at, version, logged, sampled, skipped in rows:
                 if version not in layouts:
-                    layouts[version] = self.layout(version)
+                    layouts[version] = self.layout(decode.integer(self._db, "a step's layout", version))
                 vecs = vectors.get(step, {})
-                yield StepRecord(step=int(step), time=float(at), layout=layouts[version],
-                                 scalars=scalars.get(step, {}), vectors=vecs, skipped=bool(skipped),
-                                 logged=bool(logged), sampled=bool(sampled),
-                                 detail=any(scope == PARAM for scope, _ in vecs))
+                with decode.decoding(self._db, "the steps"):
+                    record = StepRecord(step=decode.integer(self._db, "a step", step), time=float(at),
+                                        layout=layouts[version], scalars=scalars.get(step, {}), vectors=vecs,
+                                        skipped=bool(skipped), logged=bool(logged), sampled=bool(sampled),
+                                        detail=any(scope == PARAM for scope, _ in vecs))
+                yield record
 
     # ------------------------------------------------------------------ metrics
     def _scalar_rows(self, names: list[str] | None, steps: slice | None) -> pd.DataFrame:
@@ -300,8 +321,11 @@ class Run:
         where, args = _where("name", names, steps)
         frame = pd.DataFrame(self._query(f"SELECT step, name, value FROM scalars WHERE {where}", args),
                              columns=["step", "metric", "value"])
-        frame["step"] = frame["step"].astype("int64")
-        frame["value"] = pd.to_numeric(frame["value"], errors="coerce").astype("float64")  # NULL is NaN
+        with decode.decoding(self._db, "the global scalars"):
+            if not all(isinstance(m, str) for m in frame["metric"]):
+                raise TypeError("a scalar's name is not text")
+            frame["step"] = frame["step"].astype("int64")
+            frame["value"] = pd.to_numeric(frame["value"], errors="raise").astype("float64")  # NULL is NaN
         return frame
 
     def scalars(self, names: Iterable[str] | None = None) -> pd.DataFrame:
@@ -333,14 +357,17 @@ class Run:
         rows = self._query(f"SELECT step, value FROM scalars WHERE {where} ORDER BY step", args)
         if not rows:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
-        table = np.array(rows, dtype=np.float64)  # NULL becomes NaN
-        return table[:, 0].astype(np.int64), table[:, 1]
+        with decode.decoding(self._db, f"the series {name!r}"):
+            if any(isinstance(v, (str, bytes)) for row in rows for v in row):
+                raise ValueError("a step or value that is not a number")
+            table = np.array(rows, dtype=np.float64)  # NULL becomes NaN
+            return table[:, 0].astype(np.int64), table[:, 1]
 
     def skipped_steps(self, steps: slice | None = None) -> np.ndarray:
         """Steps whose update was not applied (a skip action, a rollback, a GradScaler overflow)."""
         where, args = _where("skipped", None, steps)
         rows = self._query(f"SELECT step FROM steps WHERE skipped = 1 AND {where} ORDER BY step", args)
-        return np.array([r[0] for r in rows], dtype=np.int64)
+        return np.array([decode.integer(self._db, "a step", r[0]) for r in rows], dtype=np.int64)
 
     def measured_at(self, metric: str, at: int | None = None, scope: str = LAYER) -> int | None:
         """The newest step at or before ``at`` (default: any) that stored ``metric``, or None."""
@@ -350,11 +377,15 @@ class Run:
             sql += " AND step <= ?"
             args.append(at)
         (step,), = self._query(sql, args)
-        return None if step is None else int(step)
+        return None if step is None else decode.integer(self._db, f"a step of {metric!r}", step)
 
     def step_info(self) -> pd.DataFrame:
         """One row per step: time, logged, sampled, skipped."""
         rows = self._query("SELECT step, time, logged, sampled, skipped FROM steps ORDER BY step")
+        for row in rows:
+            decode.integer(self._db, "a step", row[0])
+            if not isinstance(row[1], (int, float)):
+                raise decode.damaged(self._db, f"the time of step {row[0]} is not a number ({row[1]!r})")
         frame = pd.DataFrame(rows, columns=["step", "time", "logged", "sampled", "skipped"])
         for col in ("logged", "sampled", "skipped"):
             frame[col] = frame[col].astype(bool)
@@ -373,13 +404,17 @@ class Run:
         blocks = []
         for (layout,) in self._query(f"SELECT DISTINCT layout FROM vectors WHERE {where}", args):
             all_names = self._entries(layout, scope)
+            if not all_names:
+                raise decode.damaged(self._db, f"vectors are stored for layout {layout!r}, which has no {scope} "
+                                               "entries")
             cols = [i for i, n in enumerate(all_names) if names is None or n in names]
             if not cols:
                 continue
             sliced = names is not None and len(cols) <= _SLICE_LIMIT
             select = "metric, step, codec, data, mask"
-            if sliced:  # raw vectors: 4 bytes per wanted entry; compressed ones are decoded whole
-                select = "metric, step, codec, CASE codec WHEN 0 THEN NULL ELSE data END, mask, " + ", ".join(
+            if sliced:  # raw vectors: 4 bytes per wanted entry (and their size); compressed ones are decoded whole
+                select = ("metric, step, codec, CASE codec WHEN 0 THEN NULL ELSE data END, mask, "
+                          "CASE WHEN typeof(data) = 'blob' THEN length(data) END, ") + ", ".join(
                     f"CASE codec WHEN 0 THEN substr(data, {4 * c + 1}, 4) END" for c in cols
                 )
             rows = self._query(f"SELECT {select} FROM vectors WHERE {where} AND layout = ? ORDER BY metric, step",
@@ -388,15 +423,21 @@ class Run:
             for row in rows:
                 by_metric.setdefault(row[0], []).append(row[1:])
             idx = np.asarray(cols, dtype=np.intp)
+            n = len(all_names)
             for metric, group in by_metric.items():
                 values = np.empty((len(group), len(cols)), dtype=np.float32)
                 present = np.empty((len(group), len(cols)), dtype=bool)
-                for r, (_, codec, data, mask, *parts) in enumerate(group):
+                for r, (step, codec, data, mask, *parts) in enumerate(group):
+                    decode.integer(self._db, f"a step of {metric!r}", step)
                     if sliced and data is None:
+                        size, parts = parts[0], parts[1:]
+                        if codec != 0 or size != 4 * n or (mask is not None and
+                                                           (not isinstance(mask, bytes) or len(mask) != (n + 7) // 8)):
+                            decode.vector(self._db, codec, b"" if size is None else bytes(size), mask, n)  # says why
                         values[r] = np.frombuffer(b"".join(parts), dtype="<f4")
                         present[r] = True if mask is None else _bits(mask, cols)
                     else:
-                        full, full_present = unpack(codec, data, mask, len(all_names))
+                        full, full_present = decode.vector(self._db, codec, data, mask, n)
                         values[r], present[r] = full[idx], full_present[idx]
                 blocks.append(_Block(
                     metric=metric,
@@ -525,11 +566,12 @@ class Run:
         None for every kind but ``nonfinite``, and ``action`` is None where no action was
         recorded: missing values are always None (an ``object`` column), never NaN.
         """
-        rows = self._query(f"SELECT {', '.join(FINDING_COLUMNS)} FROM findings ORDER BY step, id")
+        rows = decode.findings(self._db, self._query(f"SELECT {', '.join(FINDING_COLUMNS)} FROM findings "
+                                                     "ORDER BY step, id"))
         frame = pd.DataFrame(rows, columns=FINDING_COLUMNS)
         for column in _NULLABLE:
             frame[column] = pd.Series([r[FINDING_COLUMNS.index(column)] for r in rows], dtype=object)
-        frame["data"] = pd.Series([json.loads(d) if d else {} for d in frame["data"]], dtype=object)
+        frame["data"] = pd.Series([r[-1] for r in rows], dtype=object)  # decoded and checked above
         frame["step"] = frame["step"].astype("int64")
         return frame
 

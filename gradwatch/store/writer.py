@@ -14,6 +14,7 @@ from typing import Any
 from gradwatch.errors import RunError
 from gradwatch.findings import Finding
 from gradwatch.records import LAYER, PARAM, Layout, StepRecord, present
+from gradwatch.store import lock as run_lock
 from gradwatch.store.reuse import claim
 from gradwatch.store.schema import DB_NAME, DDL, SCHEMA_VERSION, pack
 
@@ -40,28 +41,96 @@ def create_store(run_dir: Path, meta: Mapping[str, Any], *, overwrite: bool) -> 
             "pass run= a directory you can write to"
         ) from None
     db = run_dir / DB_NAME
-    claim(run_dir, overwrite=overwrite)  # a run already there: replaced, or a RunError saying why not
+    lock = run_lock.acquire(run_dir)  # a run whose writer is alive is never replaced: RunError
     try:
-        conn = _connect(db)
-        with conn:
-            conn.executescript(DDL)
-            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            rows = {"schema_version": SCHEMA_VERSION, "status": "running", **meta}
-            conn.executemany(
-                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                [(k, json.dumps(v)) for k, v in rows.items()],
-            )
-        conn.close()
-    except sqlite3.Error as exc:
-        raise RunError(f"cannot write the run store in {str(run_dir)!r}: {exc}") from None
+        _remove_unfinished(run_dir)  # what an interrupted creation left: it holds no run
+        claim(run_dir, overwrite=overwrite)  # a run already there: replaced, or a RunError saying why not
+        _build(db, {"schema_version": SCHEMA_VERSION, "status": "running", **meta})
+    except BaseException:
+        run_lock.claim(run_dir)
+        lock.release()
+        raise
     return db
+
+
+#: a store being created, renamed to :data:`DB_NAME` once complete (``{pid}`` of its creator)
+BUILDING = f".{DB_NAME}.{{pid}}.tmp"
+
+
+def _build(db: Path, meta: Mapping[str, Any]) -> None:
+    """Write a new store into a temporary file next to ``db``, then rename it into place.
+
+    A kill at any moment leaves either no store or a complete one, never an empty database.
+    """
+    tmp = db.with_name(BUILDING.format(pid=os.getpid()))
+    try:
+        conn = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            conn.execute("PRAGMA page_size=16384")  # packed vectors are a few KB; large pages waste less
+            conn.execute("BEGIN")
+            for statement in DDL.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                             [(k, json.dumps(v)) for k, v in meta.items()])
+            conn.execute("COMMIT")
+            conn.execute("PRAGMA journal_mode=WAL")  # recorded in the file: every later connection uses it
+        finally:
+            conn.close()
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, db)
+    except (sqlite3.Error, OSError) as exc:
+        raise RunError(f"cannot write the run store in {str(db.parent)!r}: {exc}") from None
+    finally:
+        for leftover in db.parent.glob(f"{tmp.name}*"):
+            leftover.unlink(missing_ok=True)
+
+
+def _remove_unfinished(run_dir: Path) -> None:
+    """Remove what an interrupted creation of a store left (with the run's lock held: nobody is creating).
+
+    That is a temporary store of :func:`_build`, or, from gradwatch versions that created the store
+    in place, a store file that holds no run: empty, without tables, or with no metadata written.
+    """
+    for leftover in run_dir.glob(BUILDING.format(pid="*") + "*"):
+        leftover.unlink(missing_ok=True)
+    db = run_dir / DB_NAME
+    if _holds_no_run(db):
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+
+
+def _holds_no_run(db: Path) -> bool:
+    """Whether ``db`` is a store whose creation never finished (False when it is absent or unreadable)."""
+    try:
+        if db.stat().st_size == 0:
+            return True
+        conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not tables:
+                return True
+            return "meta" in tables and conn.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == 0
+        finally:
+            conn.close()
+    except (OSError, sqlite3.Error):
+        return False
 
 
 class StoreWriter:
     """Appends records to a store; used only from the writer thread."""
 
     def __init__(self, db: Path) -> None:
-        self._conn = _connect(db)
+        #: the run's lock, taken by create_store: held until this writer closes
+        self._lock = run_lock.claim(db.parent)
+        try:
+            self._conn = _connect(db)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
         self._layouts: set[int] = set()
 
     def write(self, records: Iterable[StepRecord]) -> None:
@@ -126,14 +195,24 @@ class StoreWriter:
             )
 
     def close(self, status: str) -> None:
-        """Record the final status and leave a single, self-contained database file."""
-        self.set_meta(status=status, finished=time.time())
+        """Record the final status and, when no reader holds the store open, leave a single file.
+
+        Never waits for readers: a reader's open transaction leaves the store in WAL mode (which
+        readers handle too) instead of stalling the training process's exit.
+        """
         try:
-            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            self._conn.execute("PRAGMA journal_mode=DELETE")
-        except sqlite3.OperationalError:
-            pass  # a reader holds the WAL open; it stays in WAL mode, which readers handle too
-        self._conn.close()
+            self.set_meta(status=status, finished=time.time())
+            try:
+                self._conn.execute("PRAGMA busy_timeout=0")  # from here on, a busy store is left as it is
+                busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                if busy == 0 and frames == copied:
+                    self._conn.execute("PRAGMA journal_mode=DELETE")
+            except sqlite3.OperationalError:
+                pass  # a reader holds the WAL open
+            self._conn.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
 
 def finding_json(data: Mapping[str, Any]) -> str:
