@@ -87,9 +87,13 @@ class Group:
         self._replicas_pending = False
         self._params = 0
 
-    def begin(self, step: int, params: int) -> None:
+    def begin(self, step: int, params: Sequence[torch.Tensor]) -> None:
         """A step's collectives begin (on every rank alike): replica check when due, then :meth:`share`."""
-        self._share_pending, self._replicas_pending, self._params = True, self.due(step), params
+        from gradwatch.measure import sharded
+
+        self._params = len(params)
+        self._share_pending = True
+        self._replicas_pending = self.due(step) and bool(params) and not sharded(list(params))
 
     @property
     def in_step(self) -> bool:
