@@ -97,10 +97,18 @@ def test_readme_has_the_two_commands_first_and_ci_runs_the_test_command_exactly(
     assert "mkdocs build --strict" in ci
 
 
-def test_readme_links_point_at_files_that_exist() -> None:
-    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text(encoding="utf-8")):
+@pytest.mark.parametrize("name", ["README.md", "CONTRIBUTING.md", "CHANGELOG.md"])
+def test_top_level_links_point_at_files_that_exist(name: str) -> None:
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (ROOT / name).read_text(encoding="utf-8")):
         if not target.startswith(("http://", "https://")):
-            assert (ROOT / target).exists(), target
+            assert (ROOT / target).exists(), f"{name}: {target}"
+
+
+def test_contributing_commands_are_the_development_pages() -> None:
+    guide = (DOCS / "development.md").read_text(encoding="utf-8")
+    for line in next(code for lang, _, code in blocks(ROOT / "CONTRIBUTING.md") if lang == "bash").splitlines():
+        command = line.split("#")[0].strip()
+        assert command.split(" && ")[0] in guide, f"CONTRIBUTING.md: {command!r} is not in docs/development.md"
 
 
 # ------------------------------------------------------------------ docs code blocks
