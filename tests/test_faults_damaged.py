@@ -188,6 +188,13 @@ def test_a_damaged_value_is_reported_as_damage(pristine: Path, tmp_path: Path, c
     check_served(tmp_path, "bad")
 
 
+def test_a_finding_on_a_layer_without_series_is_read_and_reported(pristine: Path, tmp_path: Path) -> None:
+    run = copy_run(pristine, tmp_path, "run")
+    damage(run, ("UPDATE findings SET layer = '-1'", ()))  # a plugin's finding may name any module
+    assert damaged_or_fine(run) == "fine"
+    check_served(tmp_path, "run")
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gradwatch", *args], capture_output=True, text=True, timeout=120,
                           env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"})

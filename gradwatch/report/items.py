@@ -141,7 +141,10 @@ def spark(run: Run, item: Item, scalars: pd.DataFrame) -> Spark | None:
     lo, hi = max(0, item.step - SPARK_BEFORE), item.step + SPARK_AFTER + 1
     if item.layer is not None and kind.metric != "loss":
         for metric in dict.fromkeys((kind.metric, "grad_norm")):
-            frame = run.metrics(metric, layers=[item.layer], steps=slice(lo, hi), include_global=False)
+            try:
+                frame = run.metrics(metric, layers=[item.layer], steps=slice(lo, hi), include_global=False)
+            except ValueError:  # a layer the run has no series of (a plugin's finding, a damaged store)
+                break
             if len(frame) and np.isfinite(frame["value"]).any():
                 log = kind.log if metric == kind.metric else True
                 return Spark(f"{metric} of {item.layer}", frame["step"].to_numpy(), frame["value"].to_numpy(),
