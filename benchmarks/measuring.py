@@ -7,7 +7,7 @@ import functools
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,8 @@ from workloads import WORKLOADS, Workload
 
 import gradwatch as gw
 from gradwatch import iteration, judge, lifecycle, origin, probe, recording, watching
+from gradwatch.rootcause import capture
 
-#: warm-up steps of every variant before measuring
-WARMUP = 20
-#: warm-up steps of the gradwatch variants: three sampling periods, so sampled steps have run
-WARMUP_WATCHED = 30
 #: finding severities that a healthy benchmark run must not produce
 BAD_SEVERITIES = ("warning", "error")
 RSS_EVERY = 100
@@ -120,7 +117,7 @@ def measure(name: str, workload: Workload, variants: list[str], rounds: int, ste
     results = {v: Result(name, v, steps) for v in variants}
     with variant_loops(name, workload, variants, root) as loops:
         for loop in loops.values():
-            loop.run(WARMUP_WATCHED if loop.run_dir else WARMUP)
+            loop.run(workload.warmup_watched if loop.run_dir else workload.warmup)
         for r in range(rounds):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             times = {v: loops[v].run(steps) for v in order}
@@ -168,14 +165,15 @@ def rss_run(steps: int, root: Path, console: Console) -> dict[str, Any]:
 # ------------------------------------------------------------- attribution
 #: gradwatch's entry points in the training thread (outermost calls are timed)
 ENTRY_POINTS = [(probe.Probe, "_forward_pre"), (probe.Probe, "_forward_post"), (probe.Probe, "_output_grad"),
+                (probe.Probe, "_sentinel_grad"), (probe.Probe, "_activation"), (iteration.Iteration, "backward_ended"),
                 (iteration.Iteration, "backward_done"), (lifecycle.Lifecycle, "step_pre"),
                 (recording.Recording, "step_post"), (lifecycle.Lifecycle, "signalled_step"),
                 (watching.Watcher, "observe")]
 #: the parts broken out of the entry points' time
 PARTS = {
     "detectors, rules and actions": [(judge.Judge, "check"), (judge.Judge, "check_late"), (judge.Judge, "step")],
-    "origin tracking": [(origin.Tracker, "capture"), (origin.Tracker, "output_grad"), (origin.Tracker, "clear"),
-                        (origin.Tracker, "find")],
+    "origin tracking": [(origin.Tracker, "capture"), (origin.Tracker, "output"), (capture.Capture, "keep_grad"),
+                        (origin.Tracker, "clear"), (origin.Tracker, "find")],
 }
 
 
@@ -212,20 +210,6 @@ def timers() -> Iterator[dict[str, float]]:
     for part, methods in PARTS.items():
         for cls, name in methods:
             wrap(cls, name, part, False)
-    make_hook = probe.Probe.__dict__["_activation_hook"]
-
-    def activation_hook(self: probe.Probe, index: int, limits: Any) -> Callable[..., None]:
-        hook = make_hook(self, index, limits)
-
-        def timed(*args: Any) -> None:
-            start = time.perf_counter()
-            hook(*args)
-            totals["gradwatch (training thread)"] += time.perf_counter() - start
-
-        return timed
-
-    saved.append((probe.Probe, "_activation_hook", make_hook))
-    probe.Probe._activation_hook = activation_hook  # type: ignore[method-assign]
     try:
         yield totals
     finally:
@@ -246,8 +230,8 @@ def attribute(name: str, workload: Workload, steps: int, root: Path, console: Co
         watched = make_loop(workload, batches)
         with_gradwatch(watched, root / f"{name}-attribution")
         try:
-            bare.run(WARMUP)
-            watched.run(WARMUP_WATCHED)
+            bare.run(workload.warmup)
+            watched.run(workload.warmup_watched)
             writer = next(t for t in threading.enumerate() if t.name.startswith("gradwatch-writer-")
                           and t.name.endswith(f"{name}-attribution"))
             assert writer.native_id is not None

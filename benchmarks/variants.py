@@ -40,6 +40,8 @@ class Loop:
     close: Callable[[], None] = _nothing
     run_dir: Path | None = None
     done: int = 0
+    #: the workload's own training step, if it has one (see ``Workload.train``)
+    train: Callable[[Loop, Batch], None] | None = None
 
     def run(self, steps: int) -> float:
         """Train ``steps`` steps; return the elapsed seconds."""
@@ -51,8 +53,12 @@ class Loop:
         return time.perf_counter() - start
 
     def step(self) -> None:
-        x, y = self.batches[self.done % len(self.batches)]
+        batch = self.batches[self.done % len(self.batches)]
         self.done += 1
+        if self.train is not None:
+            self.train(self, batch)
+            return
+        x, y = batch
         self.optimizer.zero_grad()
         loss = self.loss_fn(self.model(x), y)
         self.on_loss(loss)
@@ -64,7 +70,7 @@ class Loop:
 def make_loop(workload: Workload, batches: list[Batch]) -> Loop:
     torch.manual_seed(SEED)
     model = workload.build()
-    return Loop(model, workload.optimizer(model.parameters()), batches, workload.loss)
+    return Loop(model, workload.optimizer(model.parameters()), batches, workload.loss, train=workload.train)
 
 
 # ---------------------------------------------------------------- variants

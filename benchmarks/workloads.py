@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributions import Categorical
 
 SEED = 0
 #: distinct batches per workload, generated once and cycled through by every variant
@@ -41,15 +42,20 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Small GPT-style decoder: token and learned position embeddings, blocks, LM head."""
+    """GPT-style decoder: token and learned position embeddings, blocks, LM head (tied to the
+    token embedding when ``tied``, as in GPT-2).
+    """
 
-    def __init__(self, vocab: int = 512, seq: int = 128, d_model: int = 256, heads: int = 4, layers: int = 6) -> None:
+    def __init__(self, vocab: int = 512, seq: int = 128, d_model: int = 256, heads: int = 4, layers: int = 6,
+                 tied: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq, d_model)
         self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab)
+        self.head = nn.Linear(d_model, vocab, bias=not tied)
+        if tied:
+            self.head.weight = self.tok.weight
 
     def forward(self, idx: Tensor) -> Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -65,6 +71,32 @@ def gpt_batch(gen: torch.Generator, vocab: int = 512, seq: int = 128, batch: int
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """GPT-2 small's shape (124M parameters): the model a user would put a number on."""
+
+    vocab: int = 50257
+    positions: int = 1024
+    d_model: int = 768
+    heads: int = 12
+    layers: int = 12
+    #: tokens per step on the CPU: a few sequences of a short context
+    batch: int = 2
+    seq: int = 128
+
+
+GPT2_SMALL = GPT2Config()
+
+
+def gpt2_small() -> nn.Module:
+    c = GPT2_SMALL
+    return GPT(vocab=c.vocab, seq=c.positions, d_model=c.d_model, heads=c.heads, layers=c.layers, tied=True)
+
+
+def gpt2_batch(gen: torch.Generator) -> Batch:
+    return gpt_batch(gen, vocab=GPT2_SMALL.vocab, seq=GPT2_SMALL.seq, batch=GPT2_SMALL.batch)
 
 
 def deep_mlp(depth: int = 48, width: int = 128) -> nn.Module:
@@ -98,6 +130,60 @@ def cnn_batch(gen: torch.Generator) -> Batch:
     return torch.randn(32, 3, 32, 32, generator=gen), torch.randint(0, 10, (32,), generator=gen)
 
 
+#: single-sample forward calls per episode (one optimizer step each)
+EPISODE = 100
+
+
+class Policy(nn.Module):
+    """The classic REINFORCE policy: Linear, dropout, ReLU, Linear, softmax over two actions."""
+
+    def __init__(self, hidden: int = 128) -> None:
+        super().__init__()
+        self.affine1 = nn.Linear(4, hidden)
+        self.dropout = nn.Dropout(p=0.6)
+        self.affine2 = nn.Linear(hidden, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.softmax(self.affine2(F.relu(self.dropout(self.affine1(x)))), dim=1)
+
+
+def episode_batch(gen: torch.Generator) -> Batch:
+    """One episode's observations (one per forward call) and its standardised discounted returns."""
+    returns = torch.tensor([0.99**k for k in range(EPISODE)]).flip(0).cumsum(0).flip(0)
+    returns = (returns - returns.mean()) / (returns.std() + 1e-6)
+    return torch.rand(EPISODE, 4, generator=gen) * 0.1 - 0.05, returns
+
+
+class Trainable(Protocol):
+    """What a workload's own training step needs of the benchmark's loop."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def on_loss(self, loss: Tensor) -> None: ...
+
+    def on_backward(self) -> None: ...
+
+
+def rollout_step(loop: Trainable, batch: Batch) -> None:
+    """One REINFORCE episode: a single-sample forward call per observation, each sampling an
+    action (read on the host, as an environment needs it), then one optimizer step.
+    """
+    states, returns = batch
+    log_probs = []
+    for t in range(len(states)):
+        dist = Categorical(loop.model(states[t:t + 1]))
+        action = dist.sample()
+        log_probs.append(dist.log_prob(action))
+        int(action.item())  # the environment takes a Python int
+    loss = (-torch.cat(log_probs) * returns).sum()
+    loop.optimizer.zero_grad()
+    loss.backward()
+    loop.on_loss(loss)
+    loop.on_backward()
+    loop.optimizer.step()
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model, its optimizer, its data and loss, and how it is measured by default."""
@@ -109,16 +195,31 @@ class Workload:
     steps: int  # steps per block, a multiple of gradwatch's default sampling period
     rounds: int
     target: float  # the largest acceptable ratio of gradwatch at default settings to bare
+    #: the workload's own training step (default: one forward, backward and optimizer step per batch)
+    train: Callable[[Trainable, Batch], None] | None = None
+    #: warm-up steps (gradwatch variants: at least three sampling periods)
+    warmup: int = 20
+    warmup_watched: int = 30
+    #: variants measured by default (None: all); a large model leaves out the slow references
+    variants: tuple[str, ...] | None = None
 
     def batches(self) -> list[Batch]:
         gen = torch.Generator().manual_seed(SEED)
         return [self.batch(gen) for _ in range(POOL)]
 
 
+def _unused_loss(output: Tensor, target: Tensor) -> Tensor:
+    raise AssertionError("a rollout computes its own loss")
+
+
 WORKLOADS = {
-    "gpt": Workload(GPT, lambda p: torch.optim.AdamW(p, lr=3e-4), gpt_batch, lm_loss, steps=10, rounds=5, target=1.04),
+    "gpt": Workload(GPT, lambda p: torch.optim.AdamW(p, lr=3e-4), gpt_batch, lm_loss, steps=10, rounds=5, target=1.01),
     "mlp": Workload(deep_mlp, lambda p: torch.optim.SGD(p, lr=1e-3), mlp_batch, F.mse_loss, steps=50, rounds=11,
-                    target=1.20),
+                    target=1.10),
     "cnn": Workload(small_cnn, lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), cnn_batch, F.cross_entropy,
-                    steps=20, rounds=9, target=1.04),
+                    steps=20, rounds=9, target=1.01),
+    "pg": Workload(Policy, lambda p: torch.optim.Adam(p, lr=1e-2), episode_batch, _unused_loss, steps=10, rounds=9,
+                   target=1.02, train=rollout_step),
+    "gpt2": Workload(gpt2_small, lambda p: torch.optim.AdamW(p, lr=3e-4), gpt2_batch, lm_loss, steps=10, rounds=2,
+                     target=1.01, warmup=2, warmup_watched=11, variants=("bare", "gradwatch")),
 }

@@ -18,25 +18,32 @@ class Aggregator:
         own = np.asarray(layout.owners, dtype=np.int64).reshape(-1, 2)
         self._layer, self._param = own[:, 0], own[:, 1]
         self._n = len(layout.layers)
+        #: ``has`` for a step where every parameter has a value (the usual step: cheaper)
+        self.every = np.ones(len(layout.params), dtype=bool)
+        self._owning = self._count(self.every) > 0  # layers that own a parameter
 
     def _count(self, has: np.ndarray) -> np.ndarray:
         return np.bincount(self._layer, weights=has[self._param].astype(np.float64), minlength=self._n)
 
+    def _some(self, has: np.ndarray) -> np.ndarray:
+        """Layers with at least one parameter that has a value."""
+        return self._owning if has is self.every else self._count(has) > 0
+
     def norm(self, norms: np.ndarray, has: np.ndarray) -> np.ndarray:
         """Layer L2 norm from parameter L2 norms: sqrt of the sum of squares."""
-        sq = np.where(has, norms.astype(np.float64) ** 2, 0.0)
+        sq = norms.astype(np.float64) ** 2 if has is self.every else np.where(has, norms.astype(np.float64) ** 2, 0.0)
         total = np.bincount(self._layer, weights=sq[self._param], minlength=self._n)
-        return np.where(self._count(has) > 0, np.sqrt(total), np.nan)
+        return np.where(self._some(has), np.sqrt(total), np.nan)
 
     def sum(self, values: np.ndarray, has: np.ndarray) -> np.ndarray:
         """Layer sum of parameter values."""
-        v = np.where(has, values.astype(np.float64), 0.0)
+        v = values.astype(np.float64) if has is self.every else np.where(has, values.astype(np.float64), 0.0)
         total = np.bincount(self._layer, weights=v[self._param], minlength=self._n)
-        return np.where(self._count(has) > 0, total, np.nan)
+        return np.where(self._some(has), total, np.nan)
 
     def max(self, values: np.ndarray, has: np.ndarray) -> np.ndarray:
         """Layer maximum of parameter values (NaN propagates)."""
         out = np.full(self._n, -np.inf)
         with np.errstate(invalid="ignore"):  # a NaN gradient makes its layer's maximum NaN
             np.maximum.at(out, self._layer, np.where(has, values.astype(np.float64), -np.inf)[self._param])
-        return np.where(self._count(has) > 0, out, np.nan)
+        return np.where(self._some(has), out, np.nan)

@@ -98,9 +98,12 @@ class Iteration:
         self.carry: tuple[Observed, list[Any]] | None = None
         self.probe = Probe(model, on_forward=self.forward_started, on_step_pre=on_step_pre,
                            on_step_post=on_step_post, on_backward_start=self.backward_started,
-                           on_backward_end=self.backward_done)
-        if tracker is not None:
-            self.probe.on_output = tracker.output
+                           on_backward_end=self.backward_done,
+                           on_output=tracker.output if tracker is not None else None)
+        #: a backward pass has begun and its end is not reached yet (its start is told once)
+        self.began = False
+        #: take activation statistics at all (not for a compiled model: hooks inside its graph)
+        self._activations = options.activations and not self._compiled
         self.sentinel = 0
         #: the reference gradients' norms at the end of the last backward pass (:mod:`gradwatch.preclip`)
         self.refs: preclip.References | None = None
@@ -133,6 +136,7 @@ class Iteration:
         steps = self._steps
         if steps.closed:
             return
+        self.began = False
         if steps.has_open_step():
             steps.close_step()
         if self.backward is not None and self.carry is None:
@@ -140,16 +144,19 @@ class Iteration:
             self.observed = {}
         if self._tracker is not None:
             self._tracker.capture(args, kwargs or {})
-        upcoming = (steps.step, steps.step + 1) if self.carry is not None else (steps.step,)
-        if self._options.activations and not self._compiled and any(steps.sampled(s) for s in upcoming):
+        if self._activations and not self.probe.collecting and (
+                steps.sampled(steps.step) or (self.carry is not None and steps.sampled(steps.step + 1))):
             self.probe.attach_activations(self.found.leaf_modules)
 
     @guarded
-    def backward_started(self, grad: torch.Tensor | None = None) -> None:
-        """A backward pass begins: the previous iteration's gradients were kept, or dropped."""
+    def backward_started(self) -> None:
+        """A backward pass begins (told by the first of the sentinel's gradient and the outputs'
+        gradients): the previous iteration's gradients were kept, or dropped.
+        """
         steps = self._steps
-        if steps.closed:
+        if self.began or steps.closed:
             return
+        self.began = True
         if self.backward is not None:
             dropped = self.gradients_dropped()
             self.backward = None
@@ -158,8 +165,6 @@ class Iteration:
                 steps.dropped(carry[0] if carry else {}, ongoing=True)
             else:
                 self.merge_carry()
-        if self._tracker is not None and grad is not None:
-            self._tracker.output_grad(grad)
         # the end of this backward pass, after what it queued itself (DDP's gradient reduction)
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: engine.queue_callback(self.backward_ended))
@@ -167,6 +172,7 @@ class Iteration:
     @guarded
     def backward_ended(self) -> None:
         """A backward pass ended: the reference norms (pre-clip); in a loop updating by hand, the step."""
+        self.began = False
         if self._steps.closed:
             return
         self.refs = preclip.take(self.found.params, self._ref_idx)

@@ -7,6 +7,7 @@ reads them (with its own extra values) in one host copy and hands the numbers ba
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +41,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _DTENSOR is not None and isinstance(t, _DTENSOR) else t  # type: ignore[attr-defined]
 
 
-def sharded(tensors: list[torch.Tensor]) -> bool:
+def sharded(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether any of these tensors is sharded across ranks (FSDP2 parameters and gradients)."""
     return _DTENSOR is not None and any(isinstance(t, _DTENSOR) for t in tensors)
 
@@ -69,16 +70,27 @@ class Measure:
         bounded = np.zeros(len(found.layout.layers), dtype=bool)
         bounded[list(found.layout.saturating)] = True
         self._bounded = bounded
+        self._every = list(range(len(found.params)))
+        #: FSDP2: the parameters (hence their gradients) are sharded ``DTensor``s
+        self._sharded = sharded(found.params)
         #: CPU buffers for the weights' copies of sampled steps, by parameter index
         self._pool: dict[int, torch.Tensor] = {}
 
     @torch.no_grad()
     def launch(self, sampled: bool, acts: Activations) -> Launched:
-        """Launch the step's reductions: gradient norms always, the costlier ones when sampled."""
+        """Launch the step's reductions: gradient norms always, the costlier ones when sampled.
+
+        An unsampled step is one fused norm over the gradients and no Python work per parameter
+        beyond collecting them; the non-finite elements are counted only when a norm is not finite
+        (see :meth:`vectors`).
+        """
         params = self.found.params
-        gidx = [i for i, p in enumerate(params) if p.grad is not None]
-        grads = [g for g in (params[i].grad for i in gidx) if g is not None]
-        shards = sharded(grads)
+        maybe = [p.grad for p in params]
+        gidx = self._every
+        grads = [g for g in maybe if g is not None]
+        if len(grads) != len(maybe):
+            gidx = [i for i, g in enumerate(maybe) if g is not None]
+        shards = self._sharded and sharded(grads)
         if shards:  # FSDP: each rank measures its shards; the watcher combines them across ranks
             grads = [local(g) for g in grads]
         out = Launched(sampled, gidx, grads, parts=stats.norms(grads), sharded=shards)
@@ -107,18 +119,22 @@ class Measure:
         """Per-parameter and per-layer vectors from the host copy of ``step.parts``.
 
         On the rare step with a non-finite gradient norm, the non-finite elements of the
-        offending gradients are counted with one more read.
+        offending gradients are counted with one more read (a finite norm means none).
         """
         P, n = len(self.found.params), len(step.gidx)
         gnorm = host[:n]
-        nonfinite = np.zeros(n)
         bad = np.flatnonzero(~np.isfinite(gnorm))
+        if n == P:  # every parameter has a gradient: the usual step
+            pv = {"grad_norm": gnorm, "grad_nonfinite": np.zeros(P)}
+            has = self._agg.every
+        else:
+            pv = {"grad_norm": np.full(P, np.nan), "grad_nonfinite": np.full(P, np.nan)}
+            pv["grad_norm"][step.gidx] = gnorm
+            pv["grad_nonfinite"][step.gidx] = 0.0
+            has = ~np.isnan(pv["grad_nonfinite"])
         if len(bad):
-            nonfinite[bad] = stats.to_host(stats.nonfinite_counts([step.grads[i] for i in bad]))
-        pv = {"grad_norm": np.full(P, np.nan), "grad_nonfinite": np.full(P, np.nan)}
-        pv["grad_norm"][step.gidx] = gnorm
-        pv["grad_nonfinite"][step.gidx] = nonfinite
-        has = ~np.isnan(pv["grad_nonfinite"])
+            idx = np.asarray(step.gidx)[bad]
+            pv["grad_nonfinite"][idx] = stats.to_host(stats.nonfinite_counts([step.grads[i] for i in bad]))
         lv = {
             "grad_norm": self._agg.norm(pv["grad_norm"], has),
             "grad_nonfinite": self._agg.sum(pv["grad_nonfinite"], has),

@@ -27,6 +27,7 @@ import logging
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -127,15 +128,19 @@ class Tracker:
             else:
                 self._pending[key] = (value, weak)
 
-    def output(self, out: torch.Tensor) -> None:
-        """Remember (a reference to) the output of the latest forward call, when it is small enough."""
-        if self.captures and out.numel() <= KEEP_GRAD_NUMEL:
-            self.captures[-1].output = out
+    def output(self, out: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
+        """Remember (a reference to) the output of the latest forward call, when it is small enough.
 
-    def output_grad(self, grad: torch.Tensor) -> None:
-        """Remember the gradient arriving at the output of the latest forward call."""
-        if self.captures:
-            self.captures[-1].keep_grad(grad)
+        Returns:
+            where the gradient arriving at that output goes (that call's capture), or None when
+            the call was not captured.
+        """
+        if not self.captures:
+            return None
+        cap = self.captures[-1]
+        if out.numel() <= KEEP_GRAD_NUMEL:
+            cap.output = out
+        return cap.keep_grad
 
     def clear(self) -> None:
         """Forget the step's forward calls."""

@@ -1,16 +1,23 @@
 """Probe: attaches and detaches every hook gradwatch uses; hooks only launch device work.
 
-- a forward pre-hook on the root module marks the start of an iteration, and a hook on the root
-  output's gradient marks the start of each backward pass;
-- a post-accumulate-grad hook on one "sentinel" parameter marks the end of each backward pass,
-  so that an iteration whose gradients were dropped without an optimizer step (a GradScaler
-  overflow) is still counted as a step;
+- a forward pre-hook on the root module marks the start of an iteration;
+- two hooks on one "sentinel" parameter: its gradient arriving (before it is accumulated) marks
+  the start of each backward pass, its post-accumulate-grad hook the end of the pass, so that an
+  iteration whose gradients were dropped without an optimizer step (a GradScaler overflow) is
+  still counted as a step;
+- with origin tracking, a forward hook on the root module hands each output to the tracker and
+  hooks the gradient arriving at it (also a start of the backward pass, when it comes first);
 - global optimizer step pre/post hooks mark the moment gradients are final and after the update;
 - forward hooks on leaf modules, attached only for sampled steps, launch activation reductions.
+
+No hook does Python work per module or per parameter on a step that takes no activation
+statistics: a forward call costs the root's pre-hook (and, with origin tracking, its forward
+hook), a backward pass one call at its start and one at its end.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -94,49 +101,65 @@ class Probe:
         on_forward: Callable[[tuple[Any, ...], dict[str, Any]], None],
         on_step_pre: Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], Any],
         on_step_post: Callable[[torch.optim.Optimizer], None],
-        on_backward_start: Callable[[torch.Tensor], None],
+        on_backward_start: Callable[[], None],
         on_backward_end: Callable[[torch.Tensor], None],
+        on_output: Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None] | None = None,
     ) -> None:
         self._on_forward = on_forward
         self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
+        self._on_output = on_output
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(Hook(self._forward_pre), with_kwargs=True),
-            model.register_forward_hook(Hook(self._forward_post)),
             register_optimizer_step_pre_hook(on_step_pre),
             register_optimizer_step_post_hook(lambda opt, args, kwargs: on_step_post(opt)),
         ]
+        if on_output is not None:
+            self._handles.append(model.register_forward_hook(Hook(self._forward_post)))
         #: set while gradwatch itself runs the model (origin replay): every hook stands aside
         self.paused = False
-        #: called with the root module's output of each forward (origin tracking keeps a reference)
-        self.on_output: Callable[[torch.Tensor], None] | None = None
-        self._sentinel: RemovableHandle | None = None
+        self._sentinel: list[RemovableHandle] = []
         self._act_handles: list[RemovableHandle] = []
         #: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call since attach
         self.activations: list[tuple[int, list[torch.Tensor], int]] = []
+        self._leaf_hooks: list[tuple[nn.Module, Hook]] = []
+        self._leaves: list[tuple[int, nn.Module]] | None = None
 
     # ------------------------------------------------------------------ root
     def _forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.is_grad_enabled() and not self.paused and not torch.compiler.is_compiling():
+        # ``is_dynamo_compiling``, not ``is_compiling``: inside ``torch.compile(watched)`` these
+        # hooks run eagerly around the compiled forward (where ``is_compiling`` is already true)
+        if not self.paused and torch.is_grad_enabled() and not torch.compiler.is_dynamo_compiling():
             self._on_forward(args, kwargs)
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and not self.paused and not torch.compiler.is_compiling():
-            out = first_tensor(output)
-            if out is not None and out.requires_grad:
-                out.register_hook(self._output_grad)
-                if self.on_output is not None:
-                    self.on_output(out)
+        if self.paused or not torch.is_grad_enabled() or torch.compiler.is_dynamo_compiling():
+            return
+        out = first_tensor(output)
+        if out is not None and out.requires_grad and self._on_output is not None:
+            keep = self._on_output(out)
+            if keep is not None:
+                out.register_hook(functools.partial(self._output_grad, keep))
 
-    def _output_grad(self, grad: torch.Tensor) -> None:
+    def _output_grad(self, keep: Callable[[torch.Tensor], None], grad: torch.Tensor) -> None:
         if not self.paused:
-            self._on_backward_start(grad)
+            keep(grad)
+            self._on_backward_start()
+
+    def _sentinel_grad(self, grad: torch.Tensor) -> None:
+        if not self.paused:
+            self._on_backward_start()
 
     def watch_backward(self, param: nn.Parameter) -> None:
-        """Move the sentinel hook (which marks the end of backward passes) to ``param``."""
-        if self._sentinel is not None:
-            self._sentinel.remove()
-        self._sentinel = param.register_post_accumulate_grad_hook(Hook(self._on_backward_end))
+        """Move the sentinel hooks (which mark the start and the end of backward passes) to ``param``.
+
+        The start is its gradient arriving, before it is accumulated into ``param.grad``: what the
+        previous backward left there is still there to compare.
+        """
+        for handle in self._sentinel:
+            handle.remove()
+        self._sentinel = [param.register_hook(Hook(self._sentinel_grad)),
+                          param.register_post_accumulate_grad_hook(Hook(self._on_backward_end))]
 
     # ----------------------------------------------------------- activations
     @property
@@ -145,30 +168,32 @@ class Probe:
         return bool(self._act_handles)
 
     def attach_activations(self, leaves: list[tuple[int, nn.Module]]) -> None:
-        """Attach forward hooks to leaf modules until :meth:`detach_activations`."""
+        """Attach forward hooks to leaf modules until :meth:`detach_activations`.
+
+        The hooks are made once per layout and re-registered on each sampled step: the same
+        objects each time (nothing to build per step, and a compiled graph sees the same hooks).
+        """
         if self._act_handles:
             return
         self.activations = []
-        for index, module in leaves:
-            hook = self._activation_hook(index, bounds(module))
-            self._act_handles.append(module.register_forward_hook(Hook(hook)))
+        if self._leaves is not leaves:
+            self._leaves = leaves
+            self._leaf_hooks = [(module, Hook(functools.partial(self._activation, index, bounds(module))))
+                                for index, module in leaves]
+        self._act_handles = [module.register_forward_hook(hook) for module, hook in self._leaf_hooks]
 
-    def _activation_hook(self, index: int, limits: tuple[float, float] | None) -> Callable[..., None]:
-        store = self.activations
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled() or self.paused:
-                return
-            out = first_tensor(output)
-            if out is not None:
-                store.append((index, activation_stats(out, limits), out.numel()))
-
-        return hook
+    def _activation(self, index: int, limits: tuple[float, float] | None, module: nn.Module, args: Any,
+                    output: Any) -> None:
+        """A leaf's forward hook: launch its output's reductions."""
+        if self.paused or not torch.is_grad_enabled():
+            return
+        out = first_tensor(output)
+        if out is not None:
+            self.activations.append((index, activation_stats(out, limits), out.numel()))
 
     def take_activations(self) -> list[tuple[int, list[torch.Tensor], int]]:
         """Hand over the activation reductions collected so far and start a new list."""
-        taken = list(self.activations)
-        self.activations.clear()
+        taken, self.activations = self.activations, []
         return taken
 
     def detach_activations(self) -> None:
@@ -181,9 +206,9 @@ class Probe:
     def detach(self) -> None:
         """Remove every hook."""
         self.detach_activations()
-        if self._sentinel is not None:
-            self._sentinel.remove()
-            self._sentinel = None
+        for handle in self._sentinel:
+            handle.remove()
+        self._sentinel = []
         for handle in self._handles:
             handle.remove()
         self._handles = []

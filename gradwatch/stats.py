@@ -20,22 +20,24 @@ def _dense(t: Tensor) -> Tensor:
 
 
 def _foreach_norm(tensors: list[Tensor], ord: float) -> list[Tensor]:
-    try:
-        return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
-    except TypeError:  # torch < 2.4 has no dtype argument
-        return [n.float() for n in torch._foreach_norm(tensors, ord)]
+    """Norms of tensors of one device and dtype as float32 (float64 ones are taken in float64)."""
+    if tensors[0].dtype not in (torch.float64, torch.complex128):
+        try:
+            return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
+        except TypeError:  # torch < 2.4 has no dtype argument
+            pass
+    return [n.float() for n in torch._foreach_norm(tensors, ord)]
 
 
 def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
     """Vector norms of many tensors as 0-d float32 tensors, one fused call per device and dtype."""
     if not tensors:
         return []
-    device = tensors[0].device
-    if all(t.device == device and not t.is_sparse for t in tensors):
-        try:  # the usual case: one fused call
-            return list(torch._foreach_norm(list(tensors), ord, dtype=torch.float32))
-        except (RuntimeError, TypeError):  # float64 tensors, or torch < 2.4: group by dtype below
-            pass
+    try:  # the usual case (one device, one floating type, dense): one fused call, no Python per tensor
+        return list(torch._foreach_norm(tensors if isinstance(tensors, list) else list(tensors), ord,
+                                        dtype=torch.float32))
+    except (RuntimeError, TypeError):  # several devices or dtypes, sparse, or torch < 2.4: grouped below
+        pass
     out: list[Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -71,6 +73,17 @@ def nonfinite_counts(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [(~torch.isfinite(_dense(t))).sum() for t in tensors]
 
 
+def nonzeros(t: Tensor) -> Tensor:
+    """Number of non-zero elements of a tensor (NaN and Inf count), as a 0-d integer tensor.
+
+    On the CPU ``count_nonzero`` is a scalar loop, several times slower than converting to bool
+    and summing in int32 (exact below 2**31 elements): that is used there.
+    """
+    if t.device.type == "cpu":
+        return t.bool().sum(dtype=torch.int32 if t.numel() < 2**31 else torch.int64)
+    return torch.count_nonzero(t)
+
+
 def activation_stats(out: Tensor, bounds: tuple[float, float] | None) -> list[Tensor]:
     """Device reductions of one activation: [L2 norm, number of non-zeros(, number saturated)].
 
@@ -78,7 +91,7 @@ def activation_stats(out: Tensor, bounds: tuple[float, float] | None) -> list[Te
     bound, e.g. sigmoid below 0.01 or above 0.99, tanh beyond +-0.98.
     """
     out = out.detach()
-    stats = [torch.linalg.vector_norm(out, dtype=torch.float32), torch.count_nonzero(out)]
+    stats = [torch.linalg.vector_norm(out, dtype=torch.float32), nonzeros(out)]
     if bounds is not None:
         lo, hi = bounds
         mid, half = (lo + hi) / 2.0, (hi - lo) / 2.0
@@ -90,9 +103,16 @@ def to_host(values: Sequence[Tensor]) -> np.ndarray:
     """Copy 0-d tensors to the host as one float64 array: one synchronisation per device."""
     if not values:
         return np.zeros(0)
-    device = values[0].device
-    if all(v.device == device for v in values):  # the usual case: one stack, one copy
-        return torch.stack(list(values)).to(torch.float32).cpu().numpy().astype(np.float64)
+    try:  # the usual case (one device): one stack, one copy
+        stacked = torch.stack(values if isinstance(values, list) else list(values))
+    except RuntimeError:  # tensors on several devices: one stack and copy per device
+        return _to_host_by_device(values)
+    if stacked.dtype != torch.float32:
+        stacked = stacked.to(torch.float32)
+    return stacked.cpu().numpy().astype(np.float64)
+
+
+def _to_host_by_device(values: Sequence[Tensor]) -> np.ndarray:
     by_device: dict[torch.device, list[int]] = {}
     for i, v in enumerate(values):
         by_device.setdefault(v.device, []).append(i)

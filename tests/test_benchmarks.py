@@ -26,7 +26,7 @@ def load_overhead():  # type: ignore[no-untyped-def]
 @pytest.mark.slow  # runs the benchmark
 def test_attribution_times_every_part_and_puts_the_hooks_back(tmp_path: Path) -> None:
     overhead = load_overhead()
-    before = {name: probe.Probe.__dict__[name] for name in ("_forward_pre", "_activation_hook")}
+    before = {name: probe.Probe.__dict__[name] for name in ("_forward_pre", "_activation", "_sentinel_grad")}
     step_pre = lifecycle.Lifecycle.__dict__["step_pre"]
     row = overhead.attribute("mlp", overhead.WORKLOADS["mlp"], 20, tmp_path, Console(quiet=True))
     parts = row["ms_per_step"]
