@@ -57,6 +57,18 @@ def train(
     return opt
 
 
+#: shared contract tests that gradwatch.testing ships (so they cannot carry our marker: a plugin author's
+#: suite need not know it): the ones that train a run are slow here, those that only check classes are not
+SLOW_CONTRACT_TESTS = {"test_healthy_training_gives_no_warning_or_error",  # the 300-step healthy run
+                       "test_applied_before_the_update_of_the_step_that_called_for_it"}  # trains until it fires
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if getattr(item, "originalname", item.name) in SLOW_CONTRACT_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 #: an unmarked test slower than this is listed at the end of the run: mark it ``slow`` (or make it faster),
 #: so that ``python -m pytest -m "not slow"`` stays a run of under 2 minutes
 SLOW_SECONDS = 5.0

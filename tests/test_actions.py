@@ -110,6 +110,7 @@ def test_halt_raises_at_the_step_before_the_update_and_closes_the_run(run_dir: P
     assert torch.isfinite(one_step_plain)
 
 
+@pytest.mark.slow  # trains to convergence
 def test_rollback_restores_the_last_snapshot_and_training_converges(run_dir: Path) -> None:
     model, x, y = regression()
     rules = [gw.Rule(when="nonfinite", do="rollback", skip_batches=2, lr_scale=0.5)]
@@ -232,6 +233,7 @@ def diverging_run(run_dir: Path, rules: Any) -> list[float]:
     return losses
 
 
+@pytest.mark.slow  # hundreds of diverging steps
 def test_adaptive_clip_keeps_a_diverging_run_finite(tmp_path: Path) -> None:
     plain = diverging_run(tmp_path / "plain", rules=None)
     assert not all(math.isfinite(v) for v in plain), "without clipping the run diverges"
@@ -257,6 +259,7 @@ def test_fixed_clip_bounds_the_applied_gradient(run_dir: Path) -> None:
     assert max(seen) == pytest.approx(0.01, rel=1e-3)
 
 
+@pytest.mark.slow  # a long run around a NaN
 def test_a_nan_step_does_not_poison_detection_or_adaptive_clipping(run_dir: Path) -> None:
     model, x, y = regression()
     gw.watch(model, run=run_dir, console=False)  # default: nonfinite -> skip, exploding -> clip

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import gradwatch
 
 
@@ -21,6 +23,7 @@ def test_every_public_name_resolves() -> None:
     assert isinstance(gradwatch.__version__, str)
 
 
+@pytest.mark.slow  # a fresh interpreter that imports torch
 def test_dir_stays_the_api_after_lazy_names_load_in_a_fresh_interpreter() -> None:
     code = "import gradwatch as gw; gw.watch; gw.open_run; print(dir(gw) == sorted(gw.__all__))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

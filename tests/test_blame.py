@@ -83,6 +83,7 @@ def test_loss_spike_blames_the_one_outlier_sample(run_dir: Path, per_sample_loss
     assert exploding["how"] == "per-sample gradient norm (torch.func)"
 
 
+@pytest.mark.slow  # one backward per sample
 def test_a_model_that_mixes_samples_is_blamed_with_one_backward_per_sample(run_dir: Path) -> None:
     """BatchNorm in training mixes the batch: torch.func would change the step, so each sample's part
     of the replayed step's gradient is taken by its own backward. Here the outlier is a label."""

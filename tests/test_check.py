@@ -165,6 +165,7 @@ def test_github_annotations(runs: dict[str, Path]) -> None:
     assert "\n" not in body and "%0ATry: guard the op" in body, "newlines in the message are escaped"
 
 
+@pytest.mark.slow  # the installed command in subprocesses
 def test_unreadable_runs_exit_2_with_one_line(tmp_path: Path, runs: dict[str, Path]) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "corrupt").mkdir()

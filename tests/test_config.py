@@ -57,6 +57,7 @@ BAD_VALUES = st.one_of(st.text(max_size=5), st.booleans(), st.lists(st.integers(
 
 @settings(derandomize=True, max_examples=300, deadline=None)
 @given(rule_tables(), st.sampled_from(["when", "do", "severity", "extra", "param"]), BAD_VALUES)
+@pytest.mark.slow  # many corrupted files, each watched
 def test_corrupted_rules_give_one_precise_config_error(table: dict, field: str, bad: object) -> None:
     table = dict(table)
     if field == "param":

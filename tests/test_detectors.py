@@ -101,6 +101,7 @@ def test_frozen_parameters_are_not_unused(run_dir: Path) -> None:
     assert "unused_parameter" not in set(run.findings().kind)
 
 
+@pytest.mark.slow  # a long baseline before the spike
 def test_loss_spike_and_exploding_on_a_corrupted_batch(run_dir: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
@@ -117,6 +118,7 @@ def test_loss_spike_and_exploding_on_a_corrupted_batch(run_dir: Path) -> None:
     assert step == 70 and layer is not None
 
 
+@pytest.mark.slow  # many sampled steps
 def test_update_ratio_too_large(run_dir: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -125,6 +127,7 @@ def test_update_ratio_too_large(run_dir: Path) -> None:
     assert step == 1 and layer in {"0", "2"}
 
 
+@pytest.mark.slow  # a long run of GradScaler overflows
 def test_amp_overflow_is_info_and_repeats_are_counted(run_dir: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -146,6 +149,7 @@ def test_amp_overflow_is_info_and_repeats_are_counted(run_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.slow  # hundreds of healthy steps
 def test_healthy_training_has_no_warnings(run_dir: Path, opt: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
@@ -155,6 +159,7 @@ def test_healthy_training_has_no_warnings(run_dir: Path, opt: str) -> None:
     assert run.verdict["worst"] is None
 
 
+@pytest.mark.slow  # a long run before the finding
 def test_flight_recorder_keeps_the_lead_up_at_full_resolution(run_dir: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -172,6 +177,7 @@ def test_flight_recorder_keeps_the_lead_up_at_full_resolution(run_dir: Path) -> 
 
 
 @pytest.mark.parametrize("passes_preclip", [False, True])
+@pytest.mark.slow  # an explosion after a long baseline
 def test_a_loop_that_clips_itself_passes_the_preclip_norm_for_exploding(run_dir: Path, passes_preclip: bool) -> None:
     """After clip_grad_norm_ gradwatch sees clipped gradients, yet the exploding detector judges the
     norm before the clip: measured by gradwatch (issue 15), or observed by the loop."""

@@ -539,6 +539,7 @@ def test_cli_healthy_script_exits_0_with_a_table() -> None:
     assert "PASS: 6 pass, 0 warn, 0 fail" in result.stdout and "\x1b[" not in result.stdout
 
 
+@pytest.mark.slow  # the doctor in subprocesses
 def test_cli_unused_submodule_exits_1_and_json_parses() -> None:
     result = doctor(f"{TARGETS}:unused", "--format", "json", "--skip", "overfit_batch")
     assert result.returncode == 1, result.stderr
@@ -554,6 +555,7 @@ def test_cli_unused_submodule_exits_1_and_json_parses() -> None:
     (f"{TARGETS}:junk", "returned a tuple of 2 items; it must return (model, batch, loss_fn)"),
     (f"{TARGETS}:unreduced", "gradwatch: error: loss_fn gave a torch.float32 tensor of shape (32,)"),
 ])
+@pytest.mark.slow  # the doctor in a subprocess per target
 def test_cli_bad_target_exits_2_with_one_line(suffix: str, message: str) -> None:
     result = doctor(suffix)
     assert result.returncode == 2

@@ -225,6 +225,7 @@ _KILLED_AT_PRINT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("rule", ["skip", "rollback"])
+@pytest.mark.slow  # a training subprocess, killed
 def test_a_finding_on_the_console_is_in_the_store_when_the_process_is_killed(tmp_path: Path, rule: str) -> None:
     script = tmp_path / "train.py"
     script.write_text(_KILLED_AT_PRINT)

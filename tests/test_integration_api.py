@@ -221,6 +221,7 @@ def test_leave_out_withholds_the_steps_a_rollback_skips(run_dir: Path) -> None:
     assert watcher.pending_skips == 0
 
 
+@pytest.mark.slow  # an explosion after a long baseline
 def test_exploding_judges_the_norm_before_clipping_when_it_is_observed(tmp_path: Path) -> None:
     def train(run: Path, report_preclip: bool) -> gw.Run:
         torch.manual_seed(0)

@@ -380,6 +380,7 @@ def test_transformer_encoder(run_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ 5. HF GPT-2
+@pytest.mark.slow  # a GPT-2 from transformers
 def test_huggingface_gpt2_with_tied_embeddings(run_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)

@@ -184,6 +184,7 @@ class TestJsonLinesContract(SinkContract):
         return [json.loads(line)["step"] for line in (run_dir / "steps.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # trains with the example plugin package
 def test_the_example_plugins_run_by_name_beside_the_built_ins(example_plugins: Path, tmp_path: Path) -> None:
     alerts, run = tmp_path / "alerts.jsonl", tmp_path / "run"
     model, x, y = regression()

@@ -128,6 +128,7 @@ def test_open_run_in_the_writing_process_flushes_and_says_it_is_live(run_dir: Pa
     assert "live" not in repr(run)
 
 
+@pytest.mark.slow  # a training subprocess
 def test_a_run_written_by_another_live_process_is_live(run_dir: Path, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(f"""
@@ -165,6 +166,7 @@ def _stop_before_the_first_step(run_dir: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=False, timeout=120)
 
 
+@pytest.mark.slow  # a subprocess that dies before its first step
 def test_an_empty_crashed_run_is_replaced_without_overwrite(run_dir: Path) -> None:
     _stop_before_the_first_step(run_dir)
     assert (gw.open_run(run_dir).status, gw.open_run(run_dir).steps) == ("crashed", 0)
@@ -199,6 +201,7 @@ def test_an_unreadable_store_needs_overwrite(run_dir: Path) -> None:
     assert gw.open_run(run_dir).status == "finished"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_reading_needs_no_torch(run: gw.Run) -> None:
     code = (f"import sys, gradwatch as gw; r = gw.open_run({str(run.path)!r}); r.metrics(); r.findings(); "
             "print('torch' in sys.modules)")

@@ -53,6 +53,7 @@ HEALTHY = {
 
 
 @pytest.mark.parametrize("name", list(HEALTHY))
+@pytest.mark.slow  # each real-code model trained twice
 def test_healthy_real_code_is_quiet_and_bit_identical(name: str, tmp_path: Path) -> None:
     script, config = HEALTHY[name]
     plain = train(script, None, **config)

@@ -36,6 +36,7 @@ def loud(result: Result) -> list[tuple[str, int, str | None]]:
 
 
 # ------------------------------------------------------- item 2: non-finite under a GradScaler
+@pytest.mark.slow  # a GPT under fp16 autocast
 def test_a_masked_attention_row_under_fp16_gradscaler_is_nonfinite_with_its_origin(tmp_path: Path) -> None:
     """Before: 'amp_overflow' info at step 20 (a skipped overflow), and check --fail-on warning passed."""
     result = train(gpt, tmp_path / "run", dtype="float16", pad_at=20, max_iters=24)

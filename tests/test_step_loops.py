@@ -230,6 +230,7 @@ def _clipping_loop(run: Path, *, max_norm: float, amp: bool, spike_at: int | Non
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "gradscaler"])
+@pytest.mark.slow  # an explosion after a long baseline
 def test_clip_grad_norm_does_not_hide_the_norm_before_it(tmp_path: Path, amp: bool) -> None:
     truth = _clipping_loop(tmp_path / "run", max_norm=1.0, amp=amp)
     with gw.open_run(tmp_path / "run") as run:

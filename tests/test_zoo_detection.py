@@ -21,7 +21,8 @@ from gradwatch.rejudge import rejudge
 from .zoo import HEALTHY, LR_JUMP, PATHOLOGIES, Case, run
 
 #: planted cases that train for many seconds (marked slow)
-SLOW_CASES = {"exploding_lr_jump"}
+SLOW_CASES = {"exploding_lr_jump", "exploding_large_init", "loss_spike_corrupt_batch", "nonfinite_sqrt_backward",
+              "vanishing_deep_sigmoid"}
 
 # pathologies that unavoidably bring others along (see the zoo's docstring)
 COMPANIONS = {
