@@ -128,19 +128,20 @@ class Tracker:
             else:
                 self._pending[key] = (value, weak)
 
-    def output(self, out: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
+    def output(self, out: torch.Tensor) -> Callable[[], Callable[[torch.Tensor], None] | None] | None:
         """Remember (a reference to) the output of the latest forward call, when it is small enough.
 
         Returns:
-            where the gradient arriving at that output goes (that call's capture), or None when
-            the call was not captured.
+            where the gradient arriving at that output goes (that call's capture), held weakly: the
+            capture holds the output, whose hook holds this (no reference cycle); None when the call
+            was not captured.
         """
         if not self.captures:
             return None
         cap = self.captures[-1]
         if out.numel() <= KEEP_GRAD_NUMEL:
             cap.output = out
-        return cap.keep_grad
+        return weakref.WeakMethod(cap.keep_grad)
 
     def clear(self) -> None:
         """Forget the step's forward calls."""

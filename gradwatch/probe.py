@@ -103,7 +103,7 @@ class Probe:
         on_step_post: Callable[[torch.optim.Optimizer], None],
         on_backward_start: Callable[[], None],
         on_backward_end: Callable[[torch.Tensor], None],
-        on_output: Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None] | None = None,
+        on_output: Callable[[torch.Tensor], Callable[[], Callable[[torch.Tensor], None] | None] | None] | None = None,
     ) -> None:
         self._on_forward = on_forward
         self._on_backward_start = on_backward_start
@@ -141,9 +141,11 @@ class Probe:
             if keep is not None:
                 out.register_hook(functools.partial(self._output_grad, keep))
 
-    def _output_grad(self, keep: Callable[[torch.Tensor], None], grad: torch.Tensor) -> None:
+    def _output_grad(self, keep: Callable[[], Callable[[torch.Tensor], None] | None], grad: torch.Tensor) -> None:
         if not self.paused:
-            keep(grad)
+            kept = keep()  # held weakly (see ``Tracker.output``)
+            if kept is not None:
+                kept(grad)
             self._on_backward_start()
 
     def _sentinel_grad(self, grad: torch.Tensor) -> None:

@@ -219,8 +219,9 @@ def test_nonfinite_training_fails_naming_kind_step_and_layer(pytester: pytest.Py
     result.stdout.fnmatch_lines([
         "gradwatch: 1 finding at or above 'error' in the training this test ran",
         "model 0 (Net), run *gradwatch-0:",
-        "  step 5 error nonfinite at features (forward): NaN/Inf first appeared in the forward pass of features "
-        "(LogFeatures) at step 5*[[]action: skip[]] Try: *",
+        "  step 5 error nonfinite at features (forward): NaN born in `aten::log` at trainlib.py:* "
+        "`return torch.log(x)` in the forward pass of features (LogFeatures) at step 5: *; cause: model*"
+        "[[]action: skip[]] Try: *",
         "FAILED test_nan.py::test_poisoned_batch - Failed: gradwatch: 1 finding at or above 'error'*",
     ])
     (path,) = _runs_in_message(result.stdout.str())
