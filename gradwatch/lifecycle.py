@@ -28,7 +28,7 @@ from gradwatch.optimizers import Optimizers, closure_at, measured_closure, repla
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
 from gradwatch.recording import Open, Recording
-from gradwatch.records import AMP_SCALE, StepRecord
+from gradwatch.records import AMP_SCALE, CLOSURE_EVALUATIONS, StepRecord
 from gradwatch.snapshots import Snapshots, rng_state
 from gradwatch.writer import Writer
 
@@ -100,13 +100,21 @@ class Lifecycle(Recording):
         # branch: optimizer.step(closure) — the gradients exist only once step() has run the closure
         return replace_closure(args, kwargs, at, measured_closure(
             kwargs[at] if isinstance(at, str) else args[at],
-            evaluated=lambda loss: self._evaluated(opt, loss), aside=self.it.aside, closed=lambda: self.closed))
+            evaluated=lambda loss: self._evaluated(opt, loss), aside=self._evaluated_again, closed=lambda: self.closed))
 
     def _evaluated(self, opt: torch.optim.Optimizer, loss: Any) -> None:
         """A closure's first evaluation computed the gradients: its loss is observed unless it observed one."""
         if loss is not None and "loss" not in self.it.observed:
             self.it.observed["loss"] = [obs.validated("loss", loss)]
         self.signalled_step(opt, False)
+        if self.open is not None:
+            self.open.record.scalars[CLOSURE_EVALUATIONS] = 1.0
+
+    def _evaluated_again(self, closure: Any) -> Any:
+        """A further evaluation of the step's closure (a line search): counted, run with the hooks aside."""
+        if self.open is not None and CLOSURE_EVALUATIONS in self.open.record.scalars:
+            self.open.record.scalars[CLOSURE_EVALUATIONS] += 1.0
+        return self.it.aside(closure)
 
     @guarded
     def signalled_step(self, opt: torch.optim.Optimizer, scaled: bool) -> None:

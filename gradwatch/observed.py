@@ -12,7 +12,7 @@ import torch
 Observed = dict[str, list[Any]]
 
 #: what gradwatch measures itself: observing it would overwrite the measurement
-RESERVED = ("grad_norm", "amp_scale", "clip_coef")
+RESERVED = ("grad_norm", "amp_scale", "clip_coef", "closure_evaluations")
 
 
 def validated(name: str, value: Any) -> Any:

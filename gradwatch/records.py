@@ -22,6 +22,9 @@ AMP_SCALE = "amp_scale"
 #: the factor the loop scaled every gradient by between backward and the step (``clip_grad_norm_``),
 #: recorded when it is not 1 (see :mod:`gradwatch.preclip`)
 CLIP_COEF = "clip_coef"
+#: how many times ``optimizer.step(closure)`` evaluated its closure (more than once: a line search, as in
+#: L-BFGS, sized the step); recorded on closure steps, complete once the step has ended
+CLOSURE_EVALUATIONS = "closure_evaluations"
 
 LAYER = "layer"
 PARAM = "param"
