@@ -58,15 +58,17 @@ def train(
 
 
 #: shared contract tests that gradwatch.testing ships (so they cannot carry our marker: a plugin author's
-#: suite need not know it): the ones that train a run are slow here, those that only check classes are not
+#: suite need not know it): the ones that train a run, or use the healthy records, are slow here; those that
+#: only check classes are not
 SLOW_CONTRACT_TESTS = {"test_healthy_training_gives_no_warning_or_error",  # the 300-step healthy run
                        "test_applied_before_the_update_of_the_step_that_called_for_it"}  # trains until it fires
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if getattr(item, "originalname", item.name) in SLOW_CONTRACT_TESTS:
-            item.add_marker(pytest.mark.slow)
+        name = getattr(item, "originalname", item.name)
+        if name in SLOW_CONTRACT_TESTS or "gradwatch_healthy_records" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)  # the healthy records: a 300-step run, trained once per session
 
 
 #: an unmarked test slower than this is listed at the end of the run: mark it ``slow`` (or make it faster),

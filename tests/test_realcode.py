@@ -17,6 +17,8 @@ import torch
 
 from .realcode import Result, gpt, hf_trainer, lstm_lm, reinforce, resnet, vae
 
+pytestmark = pytest.mark.slow  # the real-code zoo: real models and training loops, several seconds each
+
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:

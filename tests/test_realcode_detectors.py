@@ -23,6 +23,8 @@ from gradwatch.rejudge import rejudge
 
 from .realcode import gpt, reinforce, resnet
 
+pytestmark = pytest.mark.slow  # the real-code zoo: real models and training loops, several seconds each
+
 
 def layout(layers: dict[str, int]) -> Layout:
     """One parameter per layer, ``{layer: numel}``, every one trainable."""

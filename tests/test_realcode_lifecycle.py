@@ -18,6 +18,8 @@ import gradwatch as gw
 
 from .realcode import Result, gpt, lstm_lm, vae
 
+pytestmark = pytest.mark.slow  # the real-code zoo: real models and training loops, several seconds each
+
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:

@@ -22,7 +22,7 @@ from .zoo import HEALTHY, LR_JUMP, PATHOLOGIES, Case, run
 
 #: planted cases that train for many seconds (marked slow)
 SLOW_CASES = {"exploding_lr_jump", "exploding_large_init", "loss_spike_corrupt_batch", "nonfinite_sqrt_backward",
-              "vanishing_deep_sigmoid"}
+              "vanishing_deep_sigmoid", "nonfinite_div", "nonfinite_poisoned_batch", "nonfinite_log"}
 
 # pathologies that unavoidably bring others along (see the zoo's docstring)
 COMPANIONS = {
