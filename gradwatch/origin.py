@@ -27,7 +27,6 @@ import logging
 import time
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,20 +127,19 @@ class Tracker:
             else:
                 self._pending[key] = (value, weak)
 
-    def output(self, out: torch.Tensor) -> Callable[[], Callable[[torch.Tensor], None] | None] | None:
+    def output(self, out: torch.Tensor) -> Capture | None:
         """Remember (a reference to) the output of the latest forward call, when it is small enough.
 
         Returns:
-            where the gradient arriving at that output goes (that call's capture), held weakly: the
-            capture holds the output, whose hook holds this (no reference cycle); None when the call
-            was not captured.
+            that call's capture, where the gradient arriving at the output goes
+            (:meth:`Capture.keep_grad`); None when the call was not captured.
         """
         if not self.captures:
             return None
         cap = self.captures[-1]
         if out.numel() <= KEEP_GRAD_NUMEL:
             cap.output = out
-        return weakref.WeakMethod(cap.keep_grad)
+        return cap
 
     def clear(self) -> None:
         """Forget the step's forward calls."""

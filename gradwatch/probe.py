@@ -18,8 +18,9 @@ hook), a backward pass one call at its start and one at its end.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -91,6 +92,13 @@ class Hook:
         return f"<gradwatch hook {getattr(self._call, '__qualname__', self._call)!r}>"
 
 
+class Keeper(Protocol):
+    """What keeps the gradient arriving at a forward call's output (origin tracking's capture)."""
+
+    def keep_grad(self, grad: torch.Tensor) -> None:
+        """Keep (a reference to) the gradient."""
+
+
 class Probe:
     """Owns the hooks on one model; calls back into its watcher."""
 
@@ -103,7 +111,7 @@ class Probe:
         on_step_post: Callable[[torch.optim.Optimizer], None],
         on_backward_start: Callable[[], None],
         on_backward_end: Callable[[torch.Tensor], None],
-        on_output: Callable[[torch.Tensor], Callable[[], Callable[[torch.Tensor], None] | None] | None] | None = None,
+        on_output: Callable[[torch.Tensor], Keeper | None] | None = None,
     ) -> None:
         self._on_forward = on_forward
         self._on_backward_start = on_backward_start
@@ -123,6 +131,7 @@ class Probe:
         #: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call since attach
         self.activations: list[tuple[int, list[torch.Tensor], int]] = []
         self._leaf_hooks: list[tuple[nn.Module, Hook]] = []
+        self._output_grad_hook = self._output_grad  # bound once: each output's hook is one partial of it
         self._leaves: list[tuple[int, nn.Module]] | None = None
 
     # ------------------------------------------------------------------ root
@@ -137,15 +146,15 @@ class Probe:
             return
         out = first_tensor(output)
         if out is not None and out.requires_grad and self._on_output is not None:
-            keep = self._on_output(out)
-            if keep is not None:
-                out.register_hook(functools.partial(self._output_grad, keep))
+            keeper = self._on_output(out)
+            if keeper is not None:  # held weakly: the keeper holds the output, whose hook this is
+                out.register_hook(functools.partial(self._output_grad_hook, weakref.ref(keeper)))
 
-    def _output_grad(self, keep: Callable[[], Callable[[torch.Tensor], None] | None], grad: torch.Tensor) -> None:
+    def _output_grad(self, keeper: weakref.ref[Keeper], grad: torch.Tensor) -> None:
         if not self.paused:
-            kept = keep()  # held weakly (see ``Tracker.output``)
+            kept = keeper()
             if kept is not None:
-                kept(grad)
+                kept.keep_grad(grad)
             self._on_backward_start()
 
     def _sentinel_grad(self, grad: torch.Tensor) -> None:
