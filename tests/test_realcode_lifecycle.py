@@ -65,10 +65,10 @@ def test_a_hand_written_sgd_loop_is_measured_and_quiet(tmp_path: Path) -> None:
 
 
 def test_a_hand_written_loop_with_a_learning_rate_100x_too_high_is_named_within_a_few_steps(tmp_path: Path) -> None:
-    """lr 2000 instead of 20: the loss is 93 at step 1 and the divergence is named at step 4."""
+    """lr 2000 instead of 20: the loss is 93 at step 1 and the divergence is named at step 5."""
     result = train(lstm_lm, tmp_path / "run", lr_scale=100)
     found = [f for f in result.findings() if f["severity"] != "info"]
-    assert (found[0]["kind"], found[0]["step"]) == ("loss_spike", 4)
+    assert (found[0]["kind"], found[0]["step"]) == ("loss_spike", 5)
     assert found[0]["data"]["cause"] == "learning_rate" and "7.19x its first values (4.606)" in found[0]["message"]
 
 

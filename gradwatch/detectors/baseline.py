@@ -127,11 +127,14 @@ class Recent:
 
 
 class Values:
-    """Median and spread (1.4826 x MAD) of the last ``size`` accepted values of one number.
+    """The recent level and the spread of one number, from its last ``size`` accepted values.
 
-    :class:`Window`'s statistics for a single scalar in plain Python (a few numpy calls on a
-    one-element array cost more than the whole computation): the statistics are recomputed
-    every ``refresh`` values (and on each of the first few).
+    ``center`` is the median of the last 10 values (the current level, so that a trend does not
+    drag it); ``spread`` is the larger of 1.4826 x the MAD of the last 20 values (recent enough
+    that a long trend does not widen it) and the step-to-step noise, 1.4826 x the median
+    absolute difference of consecutive values over sqrt(2). Plain Python: a few numpy calls on
+    tiny arrays cost more than the whole computation. The statistics are recomputed every
+    ``refresh`` values (and on each of the first few).
     """
 
     def __init__(self, size: int, refresh: int = 10) -> None:
@@ -148,8 +151,17 @@ class Values:
         self._updates += 1
         if self._updates >= self.refresh or len(self.values) < 5:
             self._updates = 0
-            ordered = sorted(self.values)
-            self.count = n = len(ordered)
-            self.center = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
-            dev = sorted(abs(v - self.center) for v in ordered)
-            self.spread = 1.4826 * 0.5 * (dev[(n - 1) // 2] + dev[n // 2])
+            values = list(self.values)
+            self.count = len(values)
+            self.center = _median_of(values[-10:])
+            recent = values[-20:]
+            middle = _median_of(recent)
+            mad = 1.4826 * _median_of([abs(v - middle) for v in recent])
+            steps = [abs(b - a) for a, b in zip(values, values[1:])]
+            self.spread = max(mad, 1.4826 * _median_of(steps) / math.sqrt(2.0) if steps else 0.0)
+
+
+def _median_of(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])

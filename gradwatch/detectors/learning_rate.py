@@ -17,6 +17,9 @@ HINT_HIGH = (
     "steps move every weight by about lr, so lr must be well below the weights' typical size "
     "(0.02 in a GPT-style initialisation)"
 )
+#: scalar a record may carry: how many times the step's closure was evaluated (a line search, as in L-BFGS,
+#: sizes its own steps: a large update there is no learning rate too high)
+CLOSURE_EVALUATIONS = "closure_evaluations"
 HINT_LOW = (
     "raise the learning rate (check its units and the scheduler: a warmup that never ends, a "
     "lambda that multiplies by a tiny factor, or lr meant for a loss summed instead of averaged)"
@@ -34,8 +37,14 @@ class LearningRate(Detector):
     first steps does not count for much) and the largest one is at least ``high`` (healthy runs:
     about 1e-3, a few 1e-2 in the first Adam steps without warmup); or the weights grow
     geometrically: the model's parameter norm grew at least ``growth`` times per 10 steps since
-    the previous sampled step. A large update on a step whose gradient exploded (``exploding``)
-    is that explosion's consequence, not the learning rate's.
+    the previous sampled step (at most ``growth`` times between two sampled steps fewer than 10
+    steps apart). Either is the learning rate's on the first step judged, when it lasts (the
+    previous sampled step or interval was too large too) or when the learning rate was raised
+    since the previous sampled step; a single large update after healthy ones at the same
+    learning rate is a gradient's (a corrupted batch: ``exploding``, ``loss_spike``), and so is
+    a large update on a step whose gradient exploded. Steps whose closure was evaluated more than
+    once (``closure_evaluations``: a line search such as L-BFGS's sized the step) are not judged
+    too high.
 
     Too low: every layer's update is below ``low`` of its weights on ``patience_low`` sampled
     steps in a row (steps where nothing moved, e.g. a warmup starting at lr 0, and steps whose
@@ -63,6 +72,11 @@ class LearningRate(Detector):
     _prev: tuple[int, float, np.ndarray] | None = field(default=None, init=False, repr=False)
     _low_run: int = field(default=0, init=False, repr=False)
     _top_lr: float = field(default=0.0, init=False, repr=False)
+    _judged: int = field(default=0, init=False, repr=False)  # sampled steps whose updates were judged
+    _was_high: bool = field(default=False, init=False, repr=False)  # the previous one's updates were too large
+    _intervals: int = field(default=0, init=False, repr=False)  # intervals between sampled steps judged
+    _grew: bool = field(default=False, init=False, repr=False)  # the previous interval's weights grew too fast
+    _prev_lr: float | None = field(default=None, init=False, repr=False)
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Judge a sampled step's update ratios and parameter norms."""
@@ -80,23 +94,32 @@ class LearningRate(Detector):
         ratio = ratio.astype(np.float64)
         measured = np.isfinite(ratio) & np.isfinite(weights) & (weights > 0)
         moving = measured & (ratio > 0)
-        out = self._growth(record, weights)
+        # a large update is the learning rate's from the start, when it lasts, or when the learning rate
+        # was raised; one after healthy ones at the same learning rate is a gradient's (a corrupted batch)
+        raised = lr is not None and self._prev_lr is not None and lr > 1.5 * self._prev_lr
+        own = record.scalars.get(CLOSURE_EVALUATIONS, 1.0) > 1  # a line search sized the step (L-BFGS)
+        out = self._growth(record, weights, raised, own)
         if moving.any():
-            out += self._high(record, ratio, moving, lr)
+            out += self._high(record, ratio, moving, lr, raised, own)
             decayed = lr is not None and lr < 0.1 * self._top_lr
             if not decayed:
                 out += self._low(record, ratio, moving, lr)
+            self._prev_lr = lr
         return out[:1]  # one cause, one finding
 
     def _named(self, record: StepRecord) -> bool:
         return self.causes.named(LR_HIGH, record.step)
 
-    def _high(self, record: StepRecord, ratio: np.ndarray, moving: np.ndarray, lr: float | None) -> list[Finding]:
+    def _high(self, record: StepRecord, ratio: np.ndarray, moving: np.ndarray, lr: float | None,
+              raised: bool, own: bool) -> list[Finding]:
         idx = np.flatnonzero(moving)
         median = _weighted_median(ratio[idx], np.asarray(record.layout.layer_numel, dtype=np.float64)[idx])
         top = int(idx[np.argmax(ratio[idx])])
         largest = float(ratio[top])
-        if median < self.high_median or largest < self.high or self._named(record):
+        high = median >= self.high_median and largest >= self.high
+        due = self._judged == 0 or self._was_high or raised
+        self._judged, self._was_high = self._judged + 1, high
+        if not high or not due or own or self._named(record):
             return []
         if self.causes.named(EXPLOSION, record.step, within=0):
             return []  # the gradient exploded on this step: its large update is the explosion's consequence
@@ -109,7 +132,7 @@ class LearningRate(Detector):
                 "lr": lr, "cause": "learning_rate", "hint": HINT_HIGH}
         return [self.finding(record, "warning", name, message, value=largest, data=data)]
 
-    def _growth(self, record: StepRecord, weights: np.ndarray) -> list[Finding]:
+    def _growth(self, record: StepRecord, weights: np.ndarray, raised: bool, own: bool) -> list[Finding]:
         """Parameter norms growing geometrically since the previous sampled step."""
         params = record.vector("param_norm", PARAM)
         if params is None:
@@ -121,19 +144,22 @@ class LearningRate(Detector):
         if prev is None or self._prev is None or record.step <= prev[0]:
             return []
         steps, factor = record.step - prev[0], total / prev[1]
-        if factor < 1.25 or factor ** (10.0 / steps) < self.growth or self._named(record):
+        grew = factor >= 1.25 and factor ** (10.0 / max(steps, 10)) >= self.growth  # no faster than x per 10 steps
+        due = self._intervals == 0 or self._grew or raised
+        self._intervals, self._grew = self._intervals + 1, grew
+        if not grew or not due or own or self._named(record):
             return []
         if self.causes.named(EXPLOSION, record.step, within=steps - 1):
             return []  # an explosion since the previous sampled step made the weights jump
         with np.errstate(invalid="ignore", divide="ignore"):
-            grew = np.where((prev[2] > 0) & np.isfinite(prev[2]) & np.isfinite(layers), layers / prev[2], -np.inf)
-        top = int(np.argmax(grew))
+            growths = np.where((prev[2] > 0) & np.isfinite(prev[2]) & np.isfinite(layers), layers / prev[2], -np.inf)
+        top = int(np.argmax(growths))
         self.causes.note(LR_HIGH, record.step)
         name, type_ = record.layout.layers[top], record.layout.layer_types[top]
-        message = (f"learning rate too high for {name} ({type_}): its weights grew {grew[top]:.3g}x in {steps} "
+        message = (f"learning rate too high for {name} ({type_}): its weights grew {growths[top]:.3g}x in {steps} "
                    f"steps up to step {record.step} (the whole model's {factor:.3g}x; healthy runs change by a "
                    "few %); lower it or add warmup.")
-        data = {"direction": "high", "evidence": "weight_growth", "growth": factor, "layer_growth": float(grew[top]),
+        data = {"direction": "high", "evidence": "weight_growth", "growth": factor, "layer_growth": float(growths[top]),
                 "steps": steps, "lr": record.scalars.get("lr"), "cause": "learning_rate", "hint": HINT_HIGH}
         return [self.finding(record, "warning", name, message, value=factor, data=data)]
 

@@ -25,22 +25,28 @@ HINT_DIVERGE = (
 LEVEL = 3
 #: the most that noisy first losses widen the divergence bound to (times the lowest of them)
 NOISY = 3.0
+#: consecutive steps the loss level stays above the bound before it is a divergence
+CONFIRM = 2
 
 
 @dataclass
 class LossSpike(Detector):
     """The loss (observed with ``watcher.observe(loss=...)``) against its own history.
 
-    A spike: ``log(loss) - median > max(z * spread, log(1 + ratio))``, the median and spread
-    (1.4826 x MAD) of the logs of the last ``window`` healthy losses, once ``warmup`` losses are
-    in it (a loss that was ever zero or negative is judged as it is: ``loss - median > max(z *
-    spread, ratio * |median|)``). A run of spike steps is one spike, reported at its first step;
-    a loss that stays high for ``adapt_after`` steps is a new level, which the window then accepts.
+    A spike: ``log(loss) - level > max(z * spread, log(1 + ratio))``, the level being the median
+    of the logs of the last 10 healthy losses and the spread the larger of their MAD over the
+    last 20 (x 1.4826) and their step-to-step noise over the last ``window`` (a loss falling by
+    orders of magnitude does not widen it), once ``warmup`` losses are in (a loss that was ever
+    zero or negative is judged as it is: ``loss - level > max(z * spread, ratio * |level|)``). A run of
+    spike steps is one spike, reported at its first step; a loss that stays high for
+    ``adapt_after`` steps is a new level, which the window then accepts.
 
     A divergence, judged from the fourth step on (no other history needed): the loss level, the
     median of the last 3 losses, above ``diverge`` times the lowest of the first ``start``
     losses (more when those first losses are noisy: ``1 + 2 x`` their range over the lowest,
-    at most 3).
+    at most 3), on 2 steps in a row; judged until the loss level first falls below the lowest
+    first loss divided by ``diverge`` (training that made progress and then blows up is judged by
+    the spike baseline).
     A high loss level within ``adapt_after`` steps of a reported spike is that spike's. Not
     judged for a loss that was ever zero or negative (a policy-gradient loss has no scale to
     diverge from). It names a learning rate that is too high, unless the ``learning_rate``
@@ -50,7 +56,7 @@ class LossSpike(Detector):
     Attributes:
         z: robust z-score (of the log loss) beyond which a loss is a spike.
         ratio: a spike also exceeds the median by at least this fraction of it.
-        window: healthy losses in the spike baseline.
+        window: healthy losses the step-to-step noise is measured over.
         warmup: losses in the window before spikes are judged.
         adapt_after: consecutive spike steps after which the window accepts the new level.
         diverge: loss level above this many times the first losses is a divergence.
@@ -72,6 +78,8 @@ class LossSpike(Detector):
     _recent: deque[float] = field(default_factory=lambda: deque(maxlen=LEVEL), init=False, repr=False)
     _run: int = field(default=0, init=False, repr=False)
     _diverged: bool = field(default=False, init=False, repr=False)
+    _above: int = field(default=0, init=False, repr=False)  # consecutive steps with the level above the bound
+    _progressed: bool = field(default=False, init=False, repr=False)  # the level fell well below the start
     _signed: bool = field(default=False, init=False, repr=False)
     _spiked: int = field(default=-(10**9), init=False, repr=False)  # step of the last reported spike
 
@@ -90,17 +98,18 @@ class LossSpike(Detector):
         spike, median, spread = self._spike(loss)
         self._run = self._run + 1 if spike else 0
         # a high level soon after a reported spike is that spike's doing (a corrupted batch wrecked the model)
-        diverging = level is not None and not 0 <= record.step - self._spiked <= self.adapt_after
-        if not diverging and (not spike or self._run > self.adapt_after):
+        above = level is not None and not 0 <= record.step - self._spiked <= self.adapt_after
+        self._above = self._above + 1 if above else 0
+        if not above and (not spike or self._run > self.adapt_after):
             self._win.update(loss if self._signed else math.log(loss))
-        if not (diverging or spike) and len(self._first) < self.start:
+        if not (above or spike) and len(self._first) < self.start:
             self._first.append(loss)
-        if not diverging:
+        if not above:
             self._diverged = False
-        if diverging and not self._diverged:
+        if self._above >= CONFIRM and not self._diverged:  # a level that lasts, not three noisy batches
             self._diverged = True
             return self._report_divergence(record, loss, level, base)
-        if not spike or self._run != 1 or diverging:
+        if not spike or self._run != 1 or above:
             return []
         self._spiked = record.step
         if self._signed:
@@ -135,7 +144,9 @@ class LossSpike(Detector):
         base = min(first)  # the start: a first loss that is already diverging does not count as one
         limit = base * max(self.diverge, min(1.0 + 2.0 * (max(first) - base) / base, NOISY))
         level = _median(list(self._recent))
-        return (level if level > limit else None), base
+        # training that got well below its start has left it: a later rise is a spike's (a corrupted batch)
+        self._progressed = self._progressed or level < base / self.diverge
+        return (level if level > limit and not self._progressed else None), base
 
     def _report_divergence(self, record: StepRecord, loss: float, level: float | None, base: float) -> list[Finding]:
         assert level is not None
