@@ -18,12 +18,10 @@ from gradwatch.detectors.loss_spike import LossSpike
 from gradwatch.detectors.unoptimized_parameter import HELD, UnoptimizedParameter
 from gradwatch.detectors.unused_parameter import group
 from gradwatch.detectors.zero_gradient import ZeroGradient
-from gradwatch.records import LAYER, PARAM, Layout, StepRecord
+from gradwatch.records import CLOSURE_EVALUATIONS, LAYER, PARAM, Layout, StepRecord
 from gradwatch.rejudge import rejudge
 
 from .realcode import gpt, reinforce, resnet
-
-pytestmark = pytest.mark.slow  # the real-code zoo: real models and training loops, several seconds each
 
 
 def layout(layers: dict[str, int]) -> Layout:
@@ -68,6 +66,30 @@ def test_a_large_update_on_a_step_whose_gradient_exploded_is_the_explosions() ->
     detector.causes.note(EXPLOSION, 0)
     assert detector.check(record(lay, update_ratio=[0.46, 0.93], param_norm=[1.0, 0.5], grad_norm=[1.0, 1.0],
                                  grad_nonfinite=[0, 0])) == []
+
+
+def test_a_large_update_sized_by_a_line_search_is_not_a_learning_rate_too_high() -> None:
+    """L-BFGS: the step's closure ran several times and the line search chose the step's size."""
+    lay = layout({"attn": 6912, "proj": 2304})
+    vectors = {"update_ratio": [0.46, 0.93], "param_norm": [1.0, 0.5], "grad_norm": [1.0, 1.0],
+               "grad_nonfinite": [0, 0]}
+    assert LearningRate().check(record(lay, scalars={CLOSURE_EVALUATIONS: 4.0}, **vectors)) == []
+    assert len(LearningRate().check(record(lay, scalars={CLOSURE_EVALUATIONS: 1.0}, **vectors))) == 1
+
+
+def test_a_single_large_update_after_healthy_ones_at_the_same_lr_is_not_the_learning_rate() -> None:
+    """A corrupted batch: one huge gradient, one huge update; the learning rate did not change."""
+    lay = layout({"a": 1000, "b": 100})
+    detector = LearningRate()
+    common = {"param_norm": [1.0, 1.0], "grad_norm": [1.0, 1.0], "grad_nonfinite": [0, 0]}
+    assert detector.check(record(lay, 0, scalars={"lr": 0.01}, update_ratio=[0.01, 0.01], **common)) == []
+    assert detector.check(record(lay, 10, scalars={"lr": 0.01}, update_ratio=[0.6, 0.9], **common)) == []
+    (found,) = detector.check(record(lay, 20, scalars={"lr": 0.01}, update_ratio=[0.6, 0.9], **common))
+    assert found.step == 20, "a large update that lasts is the learning rate's"
+    raised = LearningRate()
+    raised.check(record(lay, 0, scalars={"lr": 0.01}, update_ratio=[0.01, 0.01], **common))
+    (found,) = raised.check(record(lay, 10, scalars={"lr": 10.0}, update_ratio=[0.6, 0.9], **common))
+    assert found.data["lr"] == 10.0, "a learning rate raised 1000x is named at once"
 
 
 def test_weights_growing_geometrically_name_the_learning_rate() -> None:
@@ -160,6 +182,7 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # real models and training loops, several seconds each
 @pytest.mark.usefixtures("_one_thread")
 @pytest.mark.parametrize(("script", "config"), [
     (gpt, {"lr_scale": 1000, "max_iters": 30}),

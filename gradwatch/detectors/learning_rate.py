@@ -10,16 +10,13 @@ import numpy as np
 from gradwatch.detectors.base import Detector
 from gradwatch.detectors.causes import EXPLOSION, LR_HIGH, LR_LOW
 from gradwatch.findings import Finding
-from gradwatch.records import PARAM, StepRecord
+from gradwatch.records import CLOSURE_EVALUATIONS, PARAM, StepRecord
 
 HINT_HIGH = (
     "lower the learning rate (by 10x to start with) or add a warmup; with Adam-type optimizers the first "
     "steps move every weight by about lr, so lr must be well below the weights' typical size "
     "(0.02 in a GPT-style initialisation)"
 )
-#: scalar a record may carry: how many times the step's closure was evaluated (a line search, as in L-BFGS,
-#: sizes its own steps: a large update there is no learning rate too high)
-CLOSURE_EVALUATIONS = "closure_evaluations"
 HINT_LOW = (
     "raise the learning rate (check its units and the scheduler: a warmup that never ends, a "
     "lambda that multiplies by a tiny factor, or lr meant for a loss summed instead of averaged)"
