@@ -10,7 +10,9 @@ chart per metric with every layer's series in it), read from
 The event file is written here rather than through TensorBoard's ``EventFileWriter``, whose
 pure-Python CRC32C costs more CPU per step than everything else gradwatch does on a small
 model; the record format (length, masked CRC32C of the length, data, masked CRC32C of the data)
-is TensorBoard's own, and the files are read back by TensorBoard's reader in the tests.
+is TensorBoard's own, and the files are read back by TensorBoard's reader in the tests. The
+per-step events (scalars only) are serialized from precomputed bytes per tag rather than built
+as protobuf objects: the writer thread shares the interpreter with training.
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ class EventFile:
         self.write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def write(self, event: object) -> None:
+        """Append one event (a protobuf message)."""
+        self.write_bytes(event.SerializeToString())  # type: ignore[attr-defined]
+
+    def write_bytes(self, data: bytes) -> None:
         """Append one serialized event."""
-        data = event.SerializeToString()  # type: ignore[attr-defined]
         header = struct.pack("<Q", len(data))
         self._file.write(header + _masked_crc(header) + data + _masked_crc(data))
 
@@ -94,6 +99,33 @@ def custom_scalars() -> object:
     return summary_pb2.Summary(value=[value])
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _value_prefix(tag: str) -> bytes:
+    """The bytes of a ``Summary.value`` entry ``{tag, simple_value}`` up to the float's 4 bytes.
+
+    ``Summary.Value`` is ``tag`` (field 1, string) and ``simple_value`` (field 2, float32), and
+    ``Summary.value`` is its field 1 (repeated): one record per scalar, built from bytes instead of
+    protobuf objects (a per-layer series writes one per layer and metric on every logged step).
+    """
+    name = tag.encode()
+    body = b"\x0a" + _varint(len(name)) + name + b"\x15"
+    return b"\x0a" + _varint(len(body) + 4) + body
+
+
+def _event(wall_time: float, step: int, summary: bytes) -> bytes:
+    """A serialized ``Event`` ``{wall_time (1, double), step (2, int64), summary (5, Summary)}``."""
+    head = b"\x09" + struct.pack("<d", wall_time) + (b"\x10" + _varint(step) if step > 0 else b"")
+    return head + b"\x2a" + _varint(len(summary)) + summary
+
+
 class TensorBoard:
     """Writes per-layer metrics on logged steps and global scalars on every step."""
 
@@ -103,28 +135,36 @@ class TensorBoard:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._file = EventFile(run_dir)
         self._file.write(self._event(wall_time=time.time(), step=0, summary=custom_scalars()))
-        self._tags: dict[tuple[int, str], list[str]] = {}
+        self._tags: dict[tuple[int, str], list[bytes]] = {}
+        self._globals: dict[str, bytes] = {}
         self._findings: set[int | None] = set()
 
     def write(self, records: Sequence[StepRecord]) -> None:
         """Write one event per record holding all of its values, then flush."""
-        value = self._summary.Value
+        pack = struct.Struct("<f").pack
         for rec in records:
-            values = [] if rec.flight else [value(tag=f"global/{k}", simple_value=v) for k, v in rec.scalars.items()]
+            parts = [] if rec.flight else [self._global(k) + pack(v) for k, v in rec.scalars.items()]
             if rec.skipped and not rec.flight:
-                values.append(value(tag="global/skipped", simple_value=1.0))
+                parts.append(self._global("skipped") + pack(1.0))
             if rec.logged:
                 for (scope, metric), vec in rec.vectors.items():
                     if scope != LAYER:
                         continue
-                    tags = self._layer_tags(rec, metric)
+                    prefixes = self._layer_tags(rec, metric)
                     shown = present(rec, scope, metric)
                     if metric == "grad_nonfinite":
                         shown &= vec != 0  # a flat zero series per layer is noise; the store keeps it
                     keep = np.flatnonzero(shown)
-                    values.extend(value(tag=tags[i], simple_value=v) for i, v in zip(keep, vec[keep].tolist()))
-            self._file.write(self._event(wall_time=rec.time, step=rec.step, summary=self._summary(value=values)))
+                    data = vec[keep].astype("<f4").tobytes()
+                    parts.extend(prefixes[i] + data[4 * k:4 * k + 4] for k, i in enumerate(keep.tolist()))
+            self._file.write_bytes(_event(rec.time, rec.step, b"".join(parts)))
         self._file.flush()
+
+    def _global(self, name: str) -> bytes:
+        prefix = self._globals.get(name)
+        if prefix is None:
+            prefix = self._globals[name] = _value_prefix(f"global/{name}")
+        return prefix
 
     def write_findings(self, findings: Sequence[Finding]) -> None:
         """Findings as text (tag ``findings``), new ones only (updated repeat counts are not)."""
@@ -140,10 +180,10 @@ class TensorBoard:
             self._file.write(self._event(wall_time=time.time(), step=f.step, summary=text_pb("findings", text)))
         self._file.flush()
 
-    def _layer_tags(self, rec: StepRecord, metric: str) -> list[str]:
+    def _layer_tags(self, rec: StepRecord, metric: str) -> list[bytes]:
         key = (rec.layout.version, metric)
         if key not in self._tags:
-            self._tags[key] = [f"{metric}/{name}" for name in rec.layout.layers]
+            self._tags[key] = [_value_prefix(f"{metric}/{name}") for name in rec.layout.layers]
         return self._tags[key]
 
     def close(self, status: str) -> None:
