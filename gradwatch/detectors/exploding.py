@@ -65,7 +65,8 @@ class Exploding(Detector):
     """
 
     kind = "exploding"
-    bounds = {"ratio": Bound(1), "layer_ratio": Bound(1), "window": Bound(1, MAX_WINDOW), "warmup": Bound(1, "window")}
+    bounds = {"ratio": Bound(1), "layer_ratio": Bound(1), "window": Bound(1, MAX_WINDOW), "warmup": Bound(1, "window"),
+              "early_ratio": Bound(1), "jump": Bound(1)}
     z: float = 6.0
     ratio: float = 5.0
     layer_ratio: float = 10.0

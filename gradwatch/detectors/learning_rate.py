@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import EXPLOSION, LR_HIGH, LR_LOW
 from gradwatch.findings import Finding
 from gradwatch.records import CLOSURE_EVALUATIONS, PARAM, StepRecord
@@ -60,6 +60,8 @@ class LearningRate(Detector):
 
     kind = "learning_rate"
     late = True
+    bounds = {"high": Bound(0, open_low=True), "high_median": Bound(0, open_low=True),
+              "growth": Bound(1, open_low=True), "low": Bound(0, open_low=True), "patience_low": Bound(1)}
     high: float = 0.5
     high_median: float = 0.2
     growth: float = 2.0

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
 from gradwatch.records import PARAM, StepRecord
 from gradwatch.wording import layer as _layer
@@ -54,6 +54,7 @@ class UnoptimizedParameter(Detector):
 
     kind = "unoptimized_parameter"
     late = True
+    bounds = {"patience": Bound(1)}
     patience: int = 1
     _version: int = field(default=-1, init=False, repr=False)
     _runs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False, repr=False)

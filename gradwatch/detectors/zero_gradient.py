@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors.base import Detector
+from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
 from gradwatch.records import CLIP_COEF, PRECLIP, StepRecord
 from gradwatch.wording import plural
@@ -36,6 +36,7 @@ class ZeroGradient(Detector):
     """
 
     kind = "zero_gradient"
+    bounds = {"patience": Bound(1)}
     patience: int = 3
     _run: int = field(default=0, init=False, repr=False)
 
