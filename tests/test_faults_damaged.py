@@ -111,6 +111,8 @@ CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
     "layout-info": [("UPDATE layout_info SET data = '{\"owners\": [[99, 0]], \"saturating\": [], \"trainable\": []}'",
                      ())],
     "scalar-text": [("UPDATE scalars SET value = 'high' WHERE name = 'loss'", ())],
+    "step-fraction": [("UPDATE scalars SET step = 0.5 WHERE step = 1", ())],
+    "step-negative": [("UPDATE vectors SET step = -1 WHERE rowid = 2", ())],
 }
 
 
@@ -183,7 +185,8 @@ def test_a_damaged_value_is_reported_as_damage(pristine: Path, tmp_path: Path, c
     else:
         assert rows["bad"]["status"] == "finished" and checked.error is None
         rejudged = judge_run(str(bad), "error", tmp_path / "rules.toml")  # re-judging reads the statistics
-        if case != "step-text":  # (of the steps recorded: a vector stored for step 'seven' is no step's)
+        if case not in ("step-text", "step-negative"):  # (of the steps recorded: a vector of step 'seven' or -1
+            # is no recorded step's)
             assert rejudged.verdict == "error" and "is damaged" in str(rejudged.error)
     check_served(tmp_path, "bad")
 

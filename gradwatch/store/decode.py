@@ -95,9 +95,12 @@ def meta(db: Path, rows: Sequence[tuple[Any, Any]]) -> dict[str, Any]:
 
 
 def integer(db: Path, what: str, value: Any) -> int:
-    """A whole number the writer stored (SQLite would also hand back text or a blob)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise damaged(db, f"{what} is not a whole number ({_short(value)})")
+    """A whole number >= 0 the writer stored: a step, a size, a version.
+
+    SQLite would also hand back text, a blob or anything else a damage left.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise damaged(db, f"{what} is not a whole number >= 0 ({_short(value)})")
     return value
 
 

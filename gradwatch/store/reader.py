@@ -258,7 +258,8 @@ class Run(Series):
             scalars: dict[int, dict[str, float]] = {}
             with decode.decoding(self._db, "the global scalars"):
                 for name, step, value in self._query(f"SELECT name, step, value FROM scalars WHERE {where}", args):
-                    scalars.setdefault(int(step), {})[name] = math.nan if value is None else float(value)
+                    scalars.setdefault(decode.integer(self._db, "a step", step), {})[name] = (
+                        math.nan if value is None else float(value))
             vectors: dict[int, dict[tuple[str, str], np.ndarray]] = {}
             for scope in (LAYER, PARAM):
                 for block in self._blocks(scope, None, window):

@@ -76,6 +76,8 @@ class Series:
         with decode.decoding(self._db, "the global scalars"):
             if not all(isinstance(m, str) for m in frame["metric"]):
                 raise TypeError("a scalar's name is not text")
+            if len(frame) and (not pd.api.types.is_integer_dtype(frame["step"]) or (frame["step"] < 0).any()):
+                raise TypeError("a step is not a whole number >= 0")
             frame["step"] = frame["step"].astype("int64")
             frame["value"] = pd.to_numeric(frame["value"], errors="raise").astype("float64")  # NULL is NaN
         return frame
@@ -113,6 +115,8 @@ class Series:
             if any(isinstance(v, (str, bytes)) for row in rows for v in row):
                 raise ValueError("a step or value that is not a number")
             table = np.array(rows, dtype=np.float64)  # NULL becomes NaN
+            if not np.array_equal(table[:, 0], np.floor(table[:, 0])) or (table[:, 0] < 0).any():  # NaN, -1, 0.5
+                raise ValueError("a step is not a whole number >= 0")
             return table[:, 0].astype(np.int64), table[:, 1]
 
     def skipped_steps(self, steps: slice | None = None) -> np.ndarray:
