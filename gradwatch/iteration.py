@@ -102,8 +102,7 @@ class Iteration:
                            on_output=tracker.output if tracker is not None else None)
         #: a backward pass has begun and its end is not reached yet (its start is told once)
         self.began = False
-        #: take activation statistics at all (not for a compiled model: hooks inside its graph)
-        self._activations = options.activations and not self._compiled
+        self._activations = options.activations
         self.sentinel = 0
         #: the reference gradients' norms at the end of the last backward pass (:mod:`gradwatch.preclip`)
         self.refs: preclip.References | None = None
@@ -120,6 +119,8 @@ class Iteration:
         self.sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
         self.probe.watch_backward(found.params[self.sentinel])
         self._ref_idx, self.refs = preclip.reference_indices(found.params), None
+        if self._compiled and self._options.activations:  # hooks in the graph: registered before it is traced
+            self.probe.keep_activation_hooks(found.leaf_modules)
 
     def move_sentinel(self) -> None:
         """Put the sentinel on a parameter that does receive gradients."""

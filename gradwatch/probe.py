@@ -131,6 +131,10 @@ class Probe:
         #: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call since attach
         self.activations: list[tuple[int, list[torch.Tensor], int]] = []
         self._leaf_hooks: list[tuple[nn.Module, Hook]] = []
+        #: the leaf hooks take statistics (they are registered only while they do, unless kept)
+        self.collect = False
+        #: the leaf hooks stay registered (a compiled model: :meth:`keep_activation_hooks`)
+        self.keep_hooks = False
         self._output_grad_hook = self._output_grad  # bound once: each output's hook is one partial of it
         self._leaves: list[tuple[int, nn.Module]] | None = None
 
@@ -175,28 +179,47 @@ class Probe:
     # ----------------------------------------------------------- activations
     @property
     def collecting(self) -> bool:
-        """Whether activation hooks are attached."""
-        return bool(self._act_handles)
+        """Whether the activation hooks take statistics."""
+        return self.collect
 
     def attach_activations(self, leaves: list[tuple[int, nn.Module]]) -> None:
-        """Attach forward hooks to leaf modules until :meth:`detach_activations`.
+        """Take activation statistics with forward hooks on leaf modules until :meth:`detach_activations`.
 
-        The hooks are made once per layout and re-registered on each sampled step: the same
-        objects each time (nothing to build per step, and a compiled graph sees the same hooks).
+        The hooks are made once per layout and registered on each sampled step: the same objects
+        each time (nothing to build per step). For a compiled model they stay registered (see
+        :meth:`keep_activation_hooks`) and this only switches them on.
         """
-        if self._act_handles:
+        if self.collect:
             return
         self.activations = []
         if self._leaves is not leaves:
-            self._leaves = leaves
-            self._leaf_hooks = [(module, Hook(functools.partial(self._activation, index, bounds(module))))
-                                for index, module in leaves]
+            self._make_hooks(leaves)
+        if not self._act_handles:
+            self._act_handles = [module.register_forward_hook(hook) for module, hook in self._leaf_hooks]
+        self.collect = True
+
+    def keep_activation_hooks(self, leaves: list[tuple[int, nn.Module]]) -> None:
+        """Register the leaf hooks now and for good, switched off (for a model compiled with
+        ``torch.compile``, whose graph is traced with the hooks in it: switching them on and off
+        makes two graphs, where registering them on sampled steps would not be seen by the graph).
+        """
+        self.detach_activations()
+        self.keep_hooks = True
+        self._make_hooks(leaves)
         self._act_handles = [module.register_forward_hook(hook) for module, hook in self._leaf_hooks]
+
+    def _make_hooks(self, leaves: list[tuple[int, nn.Module]]) -> None:
+        for handle in self._act_handles:
+            handle.remove()
+        self._act_handles = []
+        self._leaves = leaves
+        self._leaf_hooks = [(module, Hook(functools.partial(self._activation, index, bounds(module))))
+                            for index, module in leaves]
 
     def _activation(self, index: int, limits: tuple[float, float] | None, module: nn.Module, args: Any,
                     output: Any) -> None:
-        """A leaf's forward hook: launch its output's reductions."""
-        if self.paused or not torch.is_grad_enabled():
+        """A leaf's forward hook: launch its output's reductions (traced into a compiled graph)."""
+        if not self.collect or self.paused or not torch.is_grad_enabled():
             return
         out = first_tensor(output)
         if out is not None:
@@ -208,14 +231,18 @@ class Probe:
         return taken
 
     def detach_activations(self) -> None:
-        """Remove the leaf forward hooks."""
+        """Stop taking activation statistics: the leaf hooks are removed (switched off when kept)."""
+        self.collect = False
+        self.activations = []
+        if self.keep_hooks:
+            return
         for handle in self._act_handles:
             handle.remove()
         self._act_handles = []
-        self.activations.clear()
 
     def detach(self) -> None:
         """Remove every hook."""
+        self.keep_hooks = False
         self.detach_activations()
         for handle in self._sentinel:
             handle.remove()

@@ -717,7 +717,10 @@ def test_torch_compile_both_ways(tmp_path: Path) -> None:
         check_sampled(run, model, ref)
         metrics = set(run.metrics(include_global=False)["metric"])
         assert {"grad_norm", "grad_max", "param_norm", "update_ratio"} <= metrics, variant
-        assert not metrics & {"act_norm", "act_zero_frac", "act_sat_frac"}, variant
+        if variant == "watch-compiled":  # the leaf hooks are in the compiled graph (tests/test_compile.py)
+            assert {"act_norm", "act_zero_frac"} <= metrics, variant
+        else:  # the hooks were traced with the model: none is registered in time to be in its graph
+            assert not metrics & {"act_norm", "act_zero_frac", "act_sat_frac"}, variant
         assert hook_count(model) == 0 and hook_count(compiled) == 0
 
 
