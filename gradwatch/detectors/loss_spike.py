@@ -24,7 +24,7 @@ HINT_DIVERGE = (
 #: losses whose median is the current level of the loss (a single spike does not move it)
 LEVEL = 3
 #: the most that noisy first losses widen the divergence bound to (times the lowest of them)
-NOISY = 3.0
+NOISY = 6.0
 #: consecutive steps the loss level stays above the bound before it is a divergence
 CONFIRM = 2
 
@@ -44,7 +44,7 @@ class LossSpike(Detector):
     A divergence, judged from the fourth step on (no other history needed): the loss level, the
     median of the last 3 losses, above ``diverge`` times the lowest of the first ``start``
     losses (more when those first losses are noisy: ``1 + 2 x`` their range over the lowest,
-    at most 3), on 2 steps in a row; judged until the loss level first falls below the lowest
+    at most 6), on 2 steps in a row; judged until the loss level first falls below the lowest
     first loss divided by ``diverge`` (training that made progress and then blows up is judged by
     the spike baseline).
     A high loss level within ``adapt_after`` steps of a reported spike is that spike's. Not
