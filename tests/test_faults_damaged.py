@@ -198,6 +198,12 @@ def test_a_finding_on_a_layer_without_series_is_read_and_reported(pristine: Path
     check_served(tmp_path, "run")
 
 
+def test_a_flat_series_of_huge_values_is_reported(pristine: Path, tmp_path: Path) -> None:
+    run = copy_run(pristine, tmp_path, "run")
+    damage(run, ("UPDATE scalars SET value = 4503599637009776.0", ()))  # a loss stuck at 4.5e15 is no damage
+    assert damaged_or_fine(run) == "fine"
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gradwatch", *args], capture_output=True, text=True, timeout=120,
                           env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"})

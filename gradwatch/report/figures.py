@@ -222,8 +222,9 @@ def sparkline(spark: Spark, width: int = 260, height: int = 56) -> str:
     x0, x1 = float(steps.min()), float(max(steps.max(), spark.step))
     ok = np.isfinite(y)
     lo, hi = (float(y[ok].min()), float(y[ok].max())) if ok.any() else (0.0, 1.0)
-    if hi - lo < 1e-12:
-        lo, hi = lo - 0.5, hi + 0.5
+    if hi - lo < 1e-12 * max(1.0, abs(hi)):  # a flat series, however large its value (1e16 + 0.5 is 1e16)
+        half = 0.5 * max(1.0, abs(hi))
+        lo, hi = lo - half, hi + half
 
     def px(s: float) -> float:
         return pad + (s - x0) / max(x1 - x0, 1.0) * (width - 2 * pad)
