@@ -77,6 +77,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -95,7 +96,8 @@ from measuring import (  # noqa: E402
     measure,
     rss_run,
 )
-from variants import VARIANTS  # noqa: E402
+from memory import MEMORY_VARIANTS, overheads  # noqa: E402
+from variants import OPT_IN, VARIANTS  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 import gradwatch as gw  # noqa: E402
@@ -214,14 +216,47 @@ def summary_lines(summary: list[dict[str, Any]]) -> list[str]:
 
 
 def results_table(results: list[Result], checks: list[dict[str, Any]]) -> Table:
-    table = Table(title="Per-step time, interleaved (median over rounds)")
-    for column in ("workload", "variant", "ms/step (median)", "ratio vs bare", "target", "status"):
-        table.add_column(column, justify="right" if column.startswith(("ms", "ratio")) else "left")
+    table = Table(title="Per-step time, interleaved (median over rounds); CPU: seconds of CPU of every thread")
+    for column in ("workload", "variant", "ms/step (median)", "ratio vs bare", "CPU ratio", "target", "status"):
+        table.add_column(column, justify="right" if column.startswith(("ms", "ratio", "CPU")) else "left")
     for r, following in zip(results, [*results[1:], None], strict=True):
         mine = [c for c in checks if (c["workload"], r.variant) == (r.workload, "gradwatch")]
-        table.add_row(r.workload, r.variant, f"{r.ms_per_step:.2f}", f"{r.ratio:.3f}",
+        table.add_row(r.workload, r.variant, f"{r.ms_per_step:.2f}", f"{r.ratio:.3f}", f"{r.cpu_ratio:.3f}",
                       "\n".join(c["target"] for c in mine), "\n".join(_verdict(c["pass"]) for c in mine),
                       end_section=following is None or following.workload != r.workload)
+    return table
+
+
+def compiled_lines(results: list[Result]) -> list[str]:
+    """gradwatch on a compiled model against the compiled model alone, per workload."""
+    by_key = {(r.workload, r.variant): r for r in results}
+    lines = []
+    for name in dict.fromkeys(r.workload for r in results):
+        watched, plain = by_key.get((name, "gradwatch_compiled")), by_key.get((name, "compiled"))
+        if watched is None or plain is None:
+            continue
+        ratios = [a / b for a, b in zip(watched.blocks, plain.blocks, strict=True)]
+        cpu = [a / b for a, b in zip(watched.cpu, plain.cpu, strict=True)]
+        lines.append(f"{name}: gw.watch(torch.compile(model)) vs torch.compile(model): ratio "
+                     f"{statistics.median(ratios):.3f} (CPU {statistics.median(cpu):.3f}); the compiled model vs "
+                     f"eager bare: {plain.ratio:.3f}")
+    return lines
+
+
+def memory_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="Peak memory, each variant in a fresh process (RSS; CUDA allocated when on a GPU)")
+    for column in ("workload", "steps", *(f"{v} peak" for v in MEMORY_VARIANTS),
+                   *(f"{v} overhead" for v in MEMORY_VARIANTS[1:])):
+        table.add_column(column, justify="left" if column == "workload" else "right")
+    for row in rows:
+        peaks = [f"{row['peaks'][v]['peak_rss'] / MIB:,.0f} MiB" for v in MEMORY_VARIANTS]
+        extra = [f"{row[f'{v}_rss_overhead'] / MIB:+,.1f} MiB" for v in MEMORY_VARIANTS[1:]]
+        if row["peaks"]["bare"].get("cuda_peak") is not None:
+            peaks = [f"{p}\n{row['peaks'][v]['cuda_peak'] / MIB:,.0f} MiB (CUDA)"
+                     for p, v in zip(peaks, MEMORY_VARIANTS, strict=True)]
+            extra = [f"{e}\n{row[f'{v}_cuda_overhead'] / MIB:+,.1f} MiB (CUDA)"
+                     for e, v in zip(extra, MEMORY_VARIANTS[1:], strict=True)]
+        table.add_row(row["workload"], str(row["steps"]), *peaks, *extra)
     return table
 
 
@@ -258,15 +293,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="gpt,mlp,cnn",
                         help="comma-separated subset of: " + ", ".join(WORKLOADS) + " (default: all)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in OPT_IN),
                         help="comma-separated subset of: " + ", ".join(VARIANTS)
-                        + " (default: all; bare is always measured, it is the baseline)")
+                        + " (default: all but " + ", ".join(OPT_IN) + ", which compile the model; bare is "
+                        "always measured, it is the baseline; a workload with a list of its own, such as gpt2, "
+                        "measures only the chosen ones in it)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per workload (default: 5 gpt, 11 mlp, 9 cnn)")
     parser.add_argument("--steps", type=int, help="steps per block (default: 10 gpt, 50 mlp, 20 cnn)")
     parser.add_argument("--attribute", type=int, default=0, metavar="N",
                         help="also time gradwatch's parts over N steps per workload (default: 0, skip)")
     parser.add_argument("--rss-steps", type=int, default=0,
                         help="first train the gpt workload watched for N steps, sampling the RSS (default: 0, skip)")
+    parser.add_argument("--memory", action="store_true",
+                        help="also measure the peak memory of bare, gradwatch and gradwatch with a rollback rule, "
+                        "each in a fresh process, per workload")
+    parser.add_argument("--memory-steps", type=int, default=20, metavar="N",
+                        help="steps after warm-up in each memory run (default: 20)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
     parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
     args = parser.parse_args(argv)
@@ -300,18 +342,27 @@ def main(argv: list[str] | None = None) -> None:
         rss = rss_run(args.rss_steps, root, console) if args.rss_steps else None
         results: list[Result] = []
         attribution: list[dict[str, Any]] = []
+        memory: list[dict[str, Any]] = []
         for name in args.workloads:
             workload = WORKLOADS[name]
+            chosen = [v for v in args.variants if workload.variants is None or v in workload.variants]
             if args.rounds != 0:
-                results += measure(name, workload, args.variants, args.rounds or workload.rounds,
+                results += measure(name, workload, chosen, args.rounds or workload.rounds,
                                    args.steps or workload.steps, root, console)
+            if args.memory:
+                memory.append(overheads(name, args.memory_steps, args.threads))
+                console.log(f"{name} memory: gradwatch {memory[-1]['gradwatch_rss_overhead'] / MIB:+.1f} MiB RSS")
             if args.attribute:
                 attribution.append(attribute(name, workload, args.attribute, root, console))
     checks = targets(results)
     if results:
         console.print(results_table(results, checks))
+    for line in compiled_lines(results):
+        console.print(line, highlight=False, markup=False)
     if attribution:
         console.print(attribution_table(attribution))
+    if memory:
+        console.print(memory_table(memory))
     stores = [(f"{r.workload} {r.variant}", r.store) for r in results if r.store is not None]
     if rss is not None:
         stores.append((f"gpt gradwatch, {rss['steps']}-step RSS run", rss["store"]))
@@ -338,7 +389,8 @@ def main(argv: list[str] | None = None) -> None:
                       "and anomaly)")
     if args.json is not None:
         report.update(results=[r.to_dict() for r in results], targets=checks, rss=rss, attribution=attribution,
-                      origin_vs_anomaly=summary, unhealthy_runs=unhealthy)
+                      origin_vs_anomaly=summary, unhealthy_runs=unhealthy, memory=memory,
+                      compiled=compiled_lines(results))
         args.json.write_text(json.dumps(report, indent=2))
         console.print(f"wrote {args.json}")
 

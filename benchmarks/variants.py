@@ -17,7 +17,9 @@ import gradwatch as gw
 from gradwatch import detectors
 
 VARIANTS = ("bare", "gradwatch", "gradwatch_no_origin", "gradwatch_record_only", "gradwatch_stats_only",
-            "gradwatch_all", "naive", "anomaly", "foreach")
+            "gradwatch_all", "naive", "anomaly", "foreach", "compiled", "gradwatch_compiled")
+#: variants measured unless ``--variants`` names them (torch.compile takes a minute per model)
+OPT_IN = ("compiled", "gradwatch_compiled")
 
 
 # ---------------------------------------------------------------- the loop
@@ -43,13 +45,17 @@ class Loop:
     #: the workload's own training step, if it has one (see ``Workload.train``)
     train: Callable[[Loop, Batch], None] | None = None
 
+    #: CPU seconds (every thread of the process) of the latest :meth:`run`
+    cpu: float = 0.0
+
     def run(self, steps: int) -> float:
-        """Train ``steps`` steps; return the elapsed seconds."""
-        start = time.perf_counter()
+        """Train ``steps`` steps; return the elapsed seconds (the CPU seconds are in ``cpu``)."""
+        start, cpu = time.perf_counter(), time.process_time()
         with self.context():
             for _ in range(steps):
                 self.step()
         self.after_block()
+        self.cpu = time.process_time() - cpu
         return time.perf_counter() - start
 
     def step(self) -> None:
@@ -115,6 +121,18 @@ def with_foreach(loop: Loop, run_dir: Path) -> None:
     loop.on_backward = read_norms
 
 
+def with_compile(loop: Loop, run_dir: Path, watched: bool) -> None:
+    """``torch.compile`` the model (``gw.watch(torch.compile(model))`` when ``watched``)."""
+    model = loop.model
+    loop.model = torch.compile(model)
+    if watched:
+        gw.watch(loop.model, run=run_dir, overwrite=True, rules="default", console=False)
+        loop.on_loss = lambda loss: gw.watcher(model).observe(loss=loss)
+        loop.after_block = lambda: gw.watcher(model).flush()
+        loop.close = lambda: gw.unwatch(model)
+        loop.run_dir = run_dir
+
+
 SETUP: dict[str, Callable[[Loop, Path], None]] = {
     "bare": _nothing,
     "gradwatch": with_gradwatch,
@@ -126,4 +144,6 @@ SETUP: dict[str, Callable[[Loop, Path], None]] = {
     "naive": with_naive,
     "anomaly": with_anomaly,
     "foreach": with_foreach,
+    "compiled": lambda loop, run_dir: with_compile(loop, run_dir, watched=False),
+    "gradwatch_compiled": lambda loop, run_dir: with_compile(loop, run_dir, watched=True),
 }

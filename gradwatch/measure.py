@@ -98,9 +98,16 @@ class Measure:
             out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
             out.acts = acts
             out.parts += stats.max_abs(grads)
-            out.parts += stats.norms([local(params[i]) for i in out.tidx])
+            out.parts += stats.norms(self._weights(out.tidx))
             out.parts += [t for _, values, _ in acts for t in values]
         return out
+
+    def _weights(self, idx: list[int]) -> list[torch.Tensor]:
+        """The parameters at ``idx`` (this rank's shards when sharded)."""
+        params = self.found.params
+        if self._sharded:
+            return [local(params[i]) for i in idx]
+        return [params[i] for i in idx]
 
     @staticmethod
     def spans(step: Launched) -> list[tuple[int, int, str]]:
@@ -154,16 +161,16 @@ class Measure:
                 **{(PARAM, m): v.astype(np.float32) for m, v in pv.items()}}
 
     def _activations(self, acts: Activations, host: np.ndarray) -> dict[str, np.ndarray]:
-        L = len(self.found.layout.layers)
-        sumsq, zeros, sat, numel = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
-        k = 0
-        for index, values, count in acts:
-            sumsq[index] += host[k] ** 2
-            zeros[index] += count - host[k + 1]  # the device counted non-zeros
-            if len(values) == 3:
-                sat[index] += host[k + 2]
-            numel[index] += count
-            k += len(values)
+        L, n = len(self.found.layout.layers), len(acts)
+        index = np.fromiter((a[0] for a in acts), dtype=np.int64, count=n)
+        width = np.fromiter((len(a[1]) for a in acts), dtype=np.int64, count=n)  # 2, or 3 with saturation
+        count = np.fromiter((a[2] for a in acts), dtype=np.float64, count=n)
+        start = np.cumsum(width) - width
+        sumsq = np.bincount(index, weights=host[start] ** 2, minlength=L)
+        numel = np.bincount(index, weights=count, minlength=L)
+        zeros = numel - np.bincount(index, weights=host[start + 1], minlength=L)  # the device counted non-zeros
+        bounded = width == 3
+        sat = np.bincount(index[bounded], weights=host[start[bounded] + 2], minlength=L)
         seen = numel > 0
         with np.errstate(invalid="ignore", divide="ignore"):
             sat_frac = np.where(seen & self._bounded, sat / numel, np.nan)
@@ -183,7 +190,7 @@ class Measure:
         """
         if not step.sampled or not step.gidx:
             return {}
-        weights = [local(self.found.params[i]) for i in step.gidx]
+        weights = self._weights(step.gidx)
         if not all(w.device.type == "cpu" for w in weights):
             return dict(zip(step.gidx, torch._foreach_mul(weights, 1.0)))
         pool = self._pool
@@ -205,7 +212,7 @@ class Measure:
         if not idx:
             return [], []
         moved = [before.pop(i) for i in idx]
-        torch._foreach_sub_(moved, [local(self.found.params[i]) for i in idx])  # our own copies: in place
+        torch._foreach_sub_(moved, self._weights(idx))  # our own copies: in place
         return idx, stats.norms(moved)
 
     def update_ratios(self, vectors: dict[tuple[str, str], np.ndarray], idx: list[int], host: np.ndarray) -> None:

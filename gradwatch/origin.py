@@ -85,6 +85,8 @@ class Tracker:
         inner = unwrap(model)
         self._model = weakref.ref(inner)
         self.captures: list[Capture] = []
+        #: the capture of the latest forward call (None when it was not captured, or none since :meth:`clear`)
+        self.latest: Capture | None = None
         self.rng = Rng(inner)
         self._kinds = devices(inner)
         self._pending: dict[str, tuple[Any, bool]] = {}
@@ -95,13 +97,21 @@ class Tracker:
 
     # ------------------------------------------------------------- every step
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Remember a forward call: references to its inputs, and the RNG and autocast state it starts from."""
+        """Remember a forward call: references to its inputs, and the RNG and autocast state it starts from.
+
+        The first ``MAX_CAPTURES`` forward calls of a step are kept; later ones cost nothing (a loop
+        of many single-sample forward calls per step, such as a policy-gradient rollout, pays for
+        sixteen of them).
+        """
         if len(self.captures) >= MAX_CAPTURES:
-            self.captures.pop(0)
+            self.latest = None
+            self._pending.clear()  # sample ids given ahead of this call were its own
+            return
         cap = Capture.of(args, kwargs, self.rng.get(), Autocast.now(self._kinds))
         (cap.ids, cap.weak_ids), (cap.losses, _) = self._pending.pop("ids", (None, False)), \
             self._pending.pop("losses", (None, False))
         self.captures.append(cap)
+        self.latest = cap
 
     def note(self, *, sample_ids: Any = None, sample_losses: Any = None, weak: bool = False) -> None:
         """The ids (or per-sample losses, checked by :func:`checked_samples`) of a batch's samples:
@@ -112,7 +122,9 @@ class Tracker:
         """
         if weak and self._user_ids:
             return
-        latest = self.captures[-1] if self.captures else None
+        if self.latest is None and len(self.captures) >= MAX_CAPTURES:
+            return  # the latest forward call was not captured: its samples are not kept
+        latest = self.latest
         if sample_ids is not None and not weak:
             self._user_ids = True
             if latest is not None and latest.weak_ids:
@@ -134,9 +146,9 @@ class Tracker:
             that call's capture, where the gradient arriving at the output goes
             (:meth:`Capture.keep_grad`); None when the call was not captured.
         """
-        if not self.captures:
+        cap = self.latest
+        if cap is None:
             return None
-        cap = self.captures[-1]
         if out.numel() <= KEEP_GRAD_NUMEL:
             cap.output = out
         return cap
@@ -144,6 +156,7 @@ class Tracker:
     def clear(self) -> None:
         """Forget the step's forward calls."""
         self.captures = []
+        self.latest = None
 
     # ------------------------------------------------------------ rare: replay
     def find(self, loss_finite: bool) -> dict[str, Any] | None:

@@ -141,6 +141,7 @@ class Recording:
             self._by_hand(step, observed)
             return
         captures = self.tracker.captures if self.tracker is not None else []
+        ongoing = ongoing and self.tracker is not None and bool(captures) and self.tracker.latest is captures[-1]
         mine, latest = (captures[:-1], captures[-1:]) if ongoing else (captures, [])
         record = self.unmeasured(step, observed, scaler=scalers[0] if scalers else None)
         if scalers:
