@@ -43,7 +43,7 @@ def damaged(db: Path, what: str) -> DamagedStoreError:
 
 def sqlite_error(db: Path, exc: sqlite3.Error) -> RunError:
     """SQLite's error as gradwatch's: a store that cannot be read now, or a damaged one."""
-    text = str(exc)
+    text = _short(" ".join(str(exc).split()), 200)  # one line: SQLite quotes schema text, newlines and all
     if any(word in text.lower() for word in _PASSING):
         return RunError(f"the run store {str(db)!r} cannot be read: {text}")
     return DamagedStoreError(f"the run store {str(db)!r} is damaged (corrupted, truncated or not a database): {text}")
@@ -63,6 +63,7 @@ def decoding(db: Path, what: str) -> Iterator[None]:
 
 def _short(value: Any, limit: int = 60) -> str:
     text = value if isinstance(value, str) else repr(value)
+    text = text.replace("\n", "\\n").replace("\r", "\\r")  # messages are one line
     return text if len(text) <= limit else text[:limit] + "..."
 
 
