@@ -214,7 +214,7 @@ def _unused_loss(output: Tensor, target: Tensor) -> Tensor:
 
 WORKLOADS = {
     "gpt": Workload(GPT, lambda p: torch.optim.AdamW(p, lr=3e-4), gpt_batch, lm_loss, steps=10, rounds=5, target=1.01),
-    "mlp": Workload(deep_mlp, lambda p: torch.optim.SGD(p, lr=1e-3), mlp_batch, F.mse_loss, steps=50, rounds=11,
+    "mlp": Workload(deep_mlp, lambda p: torch.optim.SGD(p, lr=1e-2), mlp_batch, F.mse_loss, steps=50, rounds=11,
                     target=1.10),
     "cnn": Workload(small_cnn, lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), cnn_batch, F.cross_entropy,
                     steps=20, rounds=9, target=1.01),

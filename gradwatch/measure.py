@@ -46,6 +46,16 @@ def sharded(tensors: Sequence[torch.Tensor]) -> bool:
     return _DTENSOR is not None and any(isinstance(t, _DTENSOR) for t in tensors)
 
 
+#: the vectors' keys, one tuple each for every step: a record then holds no container the garbage
+#: collector tracks (its keys are untracked once seen, its values are arrays), however long it is kept
+_KEYS: dict[tuple[str, str], tuple[str, str]] = {}
+
+
+def _key(scope: str, metric: str) -> tuple[str, str]:
+    key = (scope, metric)
+    return _KEYS.setdefault(key, key)
+
+
 @dataclass
 class Launched:
     """What one step launched on the device, in the order it is read back."""
@@ -157,8 +167,8 @@ class Measure:
             lv["grad_max"] = self._agg.max(pv["grad_max"], has)
             lv["param_norm"] = self._agg.norm(pv["param_norm"], ~np.isnan(pv["param_norm"]))
             lv.update(self._activations(step.acts, host[k:]))
-        return {**{(LAYER, m): v.astype(np.float32) for m, v in lv.items()},
-                **{(PARAM, m): v.astype(np.float32) for m, v in pv.items()}}
+        return {**{_key(LAYER, m): v.astype(np.float32) for m, v in lv.items()},
+                **{_key(PARAM, m): v.astype(np.float32) for m, v in pv.items()}}
 
     def _activations(self, acts: Activations, host: np.ndarray) -> dict[str, np.ndarray]:
         L, n = len(self.found.layout.layers), len(acts)
@@ -223,5 +233,5 @@ class Measure:
         with np.errstate(invalid="ignore", divide="ignore"):
             for scope, moved in ((PARAM, delta), (LAYER, layer_delta)):
                 weights = vectors[(scope, "param_norm")].astype(np.float64)
-                vectors[(scope, "update_ratio")] = (moved / weights).astype(np.float32)
+                vectors[_key(scope, "update_ratio")] = (moved / weights).astype(np.float32)
 

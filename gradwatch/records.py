@@ -67,7 +67,7 @@ class Layout:
         return next(self.layers[layer] for layer, p in self.owners if p == param)
 
 
-@dataclass
+@dataclass(slots=True)  # no __dict__: records are kept (writer queue, flight recorder) by the hundred
 class StepRecord:
     """Everything measured at one optimizer step, as host-side numbers.
 

@@ -120,6 +120,27 @@ def _value_prefix(tag: str) -> bytes:
     return b"\x0a" + _varint(len(body) + 4) + body
 
 
+class _Series:
+    """One metric's per-layer values of a layout as ``Summary.value`` bytes, built with numpy.
+
+    A template holds every layer's entry with a zero float; a record's floats are written into
+    their four-byte slots and the layers it does not show are masked out: no Python object per
+    layer (the writer thread shares the interpreter, and its garbage collector, with training).
+    """
+
+    def __init__(self, tags: list[str]) -> None:
+        prefixes = [_value_prefix(tag) for tag in tags]
+        self.lengths = np.asarray([len(p) + 4 for p in prefixes], dtype=np.int64)
+        self.template = np.frombuffer(b"".join(p + bytes(4) for p in prefixes), dtype=np.uint8).copy()
+        self.slots = (np.cumsum(self.lengths) - 4)[:, None] + np.arange(4)
+
+    def encode(self, values: np.ndarray, shown: np.ndarray) -> bytes:
+        """The entries of the shown layers, in layer order."""
+        buf = self.template.copy()
+        buf[self.slots] = np.ascontiguousarray(values, dtype="<f4").view(np.uint8).reshape(-1, 4)
+        return buf.tobytes() if shown.all() else buf[np.repeat(shown, self.lengths)].tobytes()
+
+
 def _event(wall_time: float, step: int, summary: bytes) -> bytes:
     """A serialized ``Event`` ``{wall_time (1, double), step (2, int64), summary (5, Summary)}``."""
     head = b"\x09" + struct.pack("<d", wall_time) + (b"\x10" + _varint(step) if step > 0 else b"")
@@ -135,7 +156,7 @@ class TensorBoard:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._file = EventFile(run_dir)
         self._file.write(self._event(wall_time=time.time(), step=0, summary=custom_scalars()))
-        self._tags: dict[tuple[int, str], list[bytes]] = {}
+        self._tags: dict[tuple[int, str], _Series] = {}
         self._globals: dict[str, bytes] = {}
         self._findings: set[int | None] = set()
 
@@ -150,13 +171,11 @@ class TensorBoard:
                 for (scope, metric), vec in rec.vectors.items():
                     if scope != LAYER:
                         continue
-                    prefixes = self._layer_tags(rec, metric)
                     shown = present(rec, scope, metric)
                     if metric == "grad_nonfinite":
                         shown &= vec != 0  # a flat zero series per layer is noise; the store keeps it
-                    keep = np.flatnonzero(shown)
-                    data = vec[keep].astype("<f4").tobytes()
-                    parts.extend(prefixes[i] + data[4 * k:4 * k + 4] for k, i in enumerate(keep.tolist()))
+                    if shown.any():
+                        parts.append(self._series(rec, metric).encode(vec, shown))
             self._file.write_bytes(_event(rec.time, rec.step, b"".join(parts)))
         self._file.flush()
 
@@ -180,11 +199,12 @@ class TensorBoard:
             self._file.write(self._event(wall_time=time.time(), step=f.step, summary=text_pb("findings", text)))
         self._file.flush()
 
-    def _layer_tags(self, rec: StepRecord, metric: str) -> list[bytes]:
+    def _series(self, rec: StepRecord, metric: str) -> _Series:
         key = (rec.layout.version, metric)
-        if key not in self._tags:
-            self._tags[key] = [_value_prefix(f"{metric}/{name}") for name in rec.layout.layers]
-        return self._tags[key]
+        series = self._tags.get(key)
+        if series is None:
+            series = self._tags[key] = _Series([f"{metric}/{name}" for name in rec.layout.layers])
+        return series
 
     def close(self, status: str) -> None:
         """Flush and close the event file."""
