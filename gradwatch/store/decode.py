@@ -41,7 +41,7 @@ def damaged(db: Path, what: str) -> DamagedStoreError:
     return DamagedStoreError(f"the run store {str(db)!r} is damaged: {what}")
 
 
-def sqlite_error(db: Path, exc: sqlite3.Error) -> RunError:
+def sqlite_error(db: Path, exc: sqlite3.Error | UnicodeDecodeError) -> RunError:
     """SQLite's error as gradwatch's: a store that cannot be read now, or a damaged one."""
     text = _short(" ".join(str(exc).split()), 200)  # one line: SQLite quotes schema text, newlines and all
     if any(word in text.lower() for word in _PASSING):

@@ -59,7 +59,7 @@ class Run(Series):
             version = self._conn.execute("PRAGMA user_version").fetchone()[0]
             tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             rows = self._conn.execute("SELECT key, value FROM meta").fetchall() if "meta" in tables else []
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # a damaged schema's message may not decode
             raise decode.sqlite_error(db, exc) from None
         if not rows and not (tables - {"meta"}):
             raise RunError(f"{str(p)!r} is not a gradwatch run: its {DB_NAME} holds no run (its creation was "
@@ -97,7 +97,7 @@ class Run(Series):
     def _query(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
         try:
             return self._conn.execute(sql, tuple(args)).fetchall()
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # a damaged schema's message may not decode
             raise decode.sqlite_error(self._db, exc) from None
 
     @property
@@ -215,9 +215,11 @@ class Run(Series):
             raise RunError(f"the run at {str(self.path)!r} has no layout {version}")
         try:
             info_rows = self._conn.execute("SELECT data FROM layout_info WHERE layout = ?", (version,)).fetchall()
-        except sqlite3.OperationalError:  # a store from before the table existed
+        except sqlite3.OperationalError as exc:  # a store from before the table existed
+            if "no such table" not in str(exc):
+                raise decode.sqlite_error(self._db, exc) from None
             info_rows = []
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # a damaged schema's message may not decode
             raise decode.sqlite_error(self._db, exc) from None
         names = [r[1] for r in layers]
         if info_rows:

@@ -115,7 +115,7 @@ def _holds_no_run(db: Path) -> bool:
             return "meta" in tables and conn.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == 0
         finally:
             conn.close()
-    except (OSError, sqlite3.Error):
+    except (OSError, sqlite3.Error, UnicodeDecodeError):  # unreadable: not ours to remove
         return False
 
 
