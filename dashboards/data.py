@@ -337,6 +337,9 @@ def flow(run: Run, step: int | None = None) -> dict[str, Any]:
     first = stored[0]
     now = run.matrix("grad_norm", steps=slice(row, row + 1))
     then = run.matrix("grad_norm", steps=slice(first, first + 1)).reindex(columns=now.columns)
+    if not (len(now) and len(then)):  # the store's index named a step whose vectors it does not return
+        raise DamagedStoreError(f"the run store of {str(run.path)!r} is damaged: the gradient norms of steps "
+                                f"{first} and {row} are indexed but cannot be read")
     values, before = now.to_numpy()[0], then.to_numpy()[0]
     keep = np.isfinite(values) | np.isfinite(before)  # layers with parameters that had a gradient
     layers = [n for n, k in zip(now.columns, keep) if k]
