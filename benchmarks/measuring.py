@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,8 @@ PARTS = {
 
 @contextlib.contextmanager
 def timers() -> Iterator[dict[str, float]]:
-    """Time gradwatch's training-thread entry points (outermost calls) and PARTS, in seconds.
+    """Time gradwatch's training-thread entry points (outermost calls) and PARTS, in seconds of the
+    training thread's CPU (time spent descheduled on a busy machine is not counted).
 
     Must be entered before ``gw.watch``: hooks are bound when they are registered.
     """
@@ -211,11 +213,11 @@ def timers() -> Iterator[dict[str, float]]:
             if outermost and depth[0]:
                 return original(*args, **kwargs)
             depth[0] += outermost
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
-                totals[key] += time.perf_counter() - start
+                totals[key] += time.thread_time() - start
                 depth[0] -= outermost
 
         saved.append((cls, name, original))
@@ -226,6 +228,21 @@ def timers() -> Iterator[dict[str, float]]:
     for part, methods in PARTS.items():
         for cls, name in methods:
             wrap(cls, name, part, False)
+    make_hook = probe.Probe.__dict__.get("_activation_hook")
+    if make_hook is not None:  # an older gradwatch made one closure per leaf: time the closures it makes
+
+        def activation_hook(self: probe.Probe, index: int, limits: Any) -> Callable[..., None]:
+            hook = make_hook(self, index, limits)
+
+            def timed(*args: Any) -> None:
+                start = time.thread_time()
+                hook(*args)
+                totals["gradwatch (training thread)"] += time.thread_time() - start
+
+            return timed
+
+        saved.append((probe.Probe, "_activation_hook", make_hook))
+        probe.Probe._activation_hook = activation_hook  # type: ignore[attr-defined]
     try:
         yield totals
     finally:
@@ -253,22 +270,56 @@ def attribute(name: str, workload: Workload, steps: int, root: Path, console: Co
             assert writer.native_id is not None
             for key in totals:
                 totals[key] = 0.0
-            cpu_before, bare_seconds, done = _thread_cpu(writer.native_id), 0.0, 0
-            block = workload.steps
-            while done < steps:
-                n = min(block, steps - done)
-                bare_seconds += bare.run(n)
-                watched.run(n)
-                done += n
+            cpu_before, bare_seconds, bare_cpu, done = _thread_cpu(writer.native_id), 0.0, 0.0, 0
+            collections = {"bare": 0.0, "watched": 0.0}
+            with collected(collections) as which:
+                block = workload.steps
+                while done < steps:
+                    n = min(block, steps - done)
+                    which[0] = "bare"
+                    start = time.thread_time()
+                    bare_seconds += bare.run(n)
+                    bare_cpu += time.thread_time() - start
+                    which[0] = "watched"
+                    watched.run(n)
+                    which[0] = None
+                    done += n
             writer_cpu = _thread_cpu(writer.native_id) - cpu_before
         finally:
             watched.close()
-    step_ms = 1000 * bare_seconds / steps
+    step_ms, step_cpu_ms = 1000 * bare_seconds / steps, 1000 * bare_cpu / steps
     parts = {key: 1000 * value / steps for key, value in totals.items()}
     own = parts["gradwatch (training thread)"]
     parts = {"gradwatch (training thread)": own,
              "statistics (hooks, reductions, the host read, records)": own - sum(parts[p] for p in PARTS),
              **{p: parts[p] for p in PARTS},
+             "garbage collections (watched - bare)": 1000 * (collections["watched"] - collections["bare"]) / steps,
              "writer thread (CPU)": 1000 * writer_cpu / steps}
-    console.log(f"{name} attribution: bare step {step_ms:.2f} ms; gradwatch training thread {own:.3f} ms/step")
-    return {"workload": name, "steps": steps, "bare_ms_per_step": step_ms, "ms_per_step": parts}
+    console.log(f"{name} attribution: bare step {step_ms:.2f} ms ({step_cpu_ms:.2f} ms CPU); gradwatch training "
+                f"thread {own:.3f} ms/step")
+    return {"workload": name, "steps": steps, "bare_ms_per_step": step_ms, "bare_cpu_ms_per_step": step_cpu_ms,
+            "ms_per_step": parts}
+
+
+@contextlib.contextmanager
+def collected(totals: dict[str, float]) -> Iterator[list[str | None]]:
+    """Add the CPU time of garbage collections to ``totals[which[0]]`` while ``which[0]`` names a key.
+
+    A collection runs wherever an allocation crosses the threshold (inside gradwatch's code or the
+    model's), so it is timed on its own: the collections of the watched blocks beyond the bare
+    blocks' are those that gradwatch's allocations cause.
+    """
+    which: list[str | None] = [None]
+    start = [0.0]
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            start[0] = time.thread_time()
+        elif which[0] is not None and threading.current_thread() is threading.main_thread():
+            totals[which[0]] += time.thread_time() - start[0]
+
+    gc.callbacks.append(callback)
+    try:
+        yield which
+    finally:
+        gc.callbacks.remove(callback)

@@ -6,7 +6,13 @@ Three synthetic, seeded workloads (no downloads):
   batch 8), AdamW, cross-entropy;
 - ``mlp``: 48 x (Linear(128, 128) + ReLU), batch 64, SGD, MSE -- the hook-bound worst case;
 - ``cnn``: 3 conv-BN-ReLU blocks (32-64-128 channels) on 32x32x3 inputs, batch 32, SGD with
-  momentum, cross-entropy.
+  momentum, cross-entropy;
+- ``pg``: many forward calls per step: a REINFORCE rollout of 100 single-sample forward calls of
+  the classic policy (Linear 4-128, dropout, ReLU, Linear 128-2, softmax), each sampling an action
+  read on the host, then one Adam step per episode;
+- ``gpt2``: the realistic size, a GPT-2-small-shaped model (12 x 768, 12 heads, vocab 50257,
+  tied embeddings) built from a config, 2 x 128 tokens per step, AdamW; measured on its own
+  (``--workloads gpt2``): a step takes seconds on a CPU, so only ``bare`` and ``gradwatch``.
 
 Each workload is trained in these variants, every one on its own model copy built from the same
 seed and fed the same batches:
@@ -24,15 +30,21 @@ seed and fed the same batches:
 - ``anomaly``: reference, the bare model with each block of steps under
   ``torch.autograd.set_detect_anomaly(True)``;
 - ``foreach``: reference, one ``torch._foreach_norm`` over all gradients per step, read with one
-  ``torch.stack(...).cpu()``.
+  ``torch.stack(...).cpu()``;
+- ``compiled`` and ``gradwatch_compiled`` (only when named in ``--variants``): ``torch.compile(model)``
+  alone, and ``gw.watch(torch.compile(model))``; reported against each other.
 
 Every gradwatch variant runs with ``console=False`` and writes its run into a temporary directory
 (deleted at exit). ``--variants`` picks a subset (``bare`` is always measured: it is the baseline).
 
 Measurement is interleaved: after warm-up, each round runs a block of K steps of every variant in
-turn (the order rotates every round) and times each block with ``time.perf_counter``. Reported are
-the median over rounds of each variant's per-step time, and the median over rounds of the ratio
-of its block time to the bare block of the same round. gradwatch stays attached across rounds;
+turn (the order rotates every round) and times each block with ``time.perf_counter`` and
+``time.process_time`` (CPU of every thread of the process, gradwatch's writer thread included).
+Reported are the median over rounds of each variant's per-step time, and the medians over rounds
+of the ratios of its block time and block CPU to the bare block's of the same round. On a machine
+shared with other work, wall-clock ratios are noisy (and with several intra-op threads, an
+oversubscribed CPU makes OpenMP's barriers wait for descheduled threads); the CPU ratio with
+``--threads 1`` is the steadier figure. gradwatch stays attached across rounds;
 each of its blocks ends with ``watcher.flush()`` inside the timed region, so that the work of its
 writer thread is charged to gradwatch and does not spill into the next variant's block.
 
@@ -50,13 +62,18 @@ least its half-width), and the quotient is taken against x -- a lower bound, sai
 
 ``--attribute N`` measures where gradwatch's own time goes, a figure that machine noise does not
 drown: per workload, a loop watched at default settings trains N steps (after warm-up, in
-blocks interleaved with a bare loop) with a timer around each of gradwatch's entry points in the
-training thread (its forward, backward and optimizer hooks, the activation hooks, ``observe``)
-and around the detectors and rule engine (``Judge.check``, ``check_late``, ``step``) and
-non-finite origin tracking (``Tracker.capture``, ``output_grad``, ``clear``, ``find``); the
-writer thread's CPU time is read from the OS. Reported per step in ms and as a fraction of the
-bare step: all of gradwatch's training-thread time, its parts, and the writer thread. (The
-timers themselves add about a microsecond per call.)
+blocks interleaved with a bare loop) with a CPU timer (``time.thread_time``) around each of
+gradwatch's entry points in the training thread (its forward, backward, end-of-backward and
+optimizer hooks, the activation hooks, ``observe``) and around the detectors and rule engine
+(``Judge.check``, ``check_late``, ``step``) and non-finite origin tracking (``Tracker.capture``,
+``output``, ``Capture.keep_grad``, ``clear``, ``find``); garbage collections are timed apart
+(those of the watched blocks beyond the bare blocks'), and the writer thread's CPU time is read
+from the OS. Reported per step in ms and as a fraction of the bare step's CPU: all of gradwatch's
+training-thread time, its parts, the extra collections, and the writer thread. (The timers
+themselves add about a microsecond per call.)
+
+``--memory`` measures the peak memory of ``bare``, ``gradwatch`` and ``gradwatch`` with a rollback
+rule (in-memory snapshots) per workload, each in a fresh process (see ``memory.py``).
 
 ``--rss-steps N`` first trains the gpt workload for N steps with gradwatch at default settings and
 samples the process RSS every 100 steps, to show that memory is flat after warm-up. For every
@@ -70,6 +87,9 @@ Run it with::
     python benchmarks/overhead.py --variants gradwatch,gradwatch_no_origin,anomaly --json out.json
     python benchmarks/overhead.py --workloads gpt --rounds 1 --rss-steps 2000 --json out.json
     python benchmarks/overhead.py --rounds 0 --attribute 500         # where gradwatch's time goes
+    python benchmarks/overhead.py --workloads mlp,pg --rounds 5 --threads 1 --memory
+    python benchmarks/overhead.py --workloads gpt2 --rounds 2          # GPT-2 small: minutes per round
+    python benchmarks/overhead.py --workloads gpt --variants gradwatch,compiled,gradwatch_compiled
 """
 
 from __future__ import annotations
@@ -108,14 +128,14 @@ COVERAGE = 0.95
 
 # ------------------------------------------------------------------ report
 def attribution_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="Where gradwatch's time goes (default settings): ms per step, and % of a bare step")
+    table = Table(title="Where gradwatch's time goes (default settings): CPU ms per step, and % of a bare step's CPU")
     table.add_column("workload")
     table.add_column("bare step", justify="right")
     for part in rows[0]["ms_per_step"]:
         table.add_column(part, justify="right")
     for row in rows:
-        bare = row["bare_ms_per_step"]
-        table.add_row(row["workload"], f"{bare:.2f} ms",
+        bare = row.get("bare_cpu_ms_per_step", row["bare_ms_per_step"])
+        table.add_row(row["workload"], f"{bare:.2f} ms CPU\n({row['bare_ms_per_step']:.2f} ms wall)",
                       *(f"{ms:.3f} ms\n{ms / bare:.1%}" for ms in row["ms_per_step"].values()))
     return table
 

@@ -223,10 +223,10 @@ class Lifecycle(Recording):
         if launched.sharded and self.group is not None:  # FSDP: the shards' statistics make the model's
             spans = self.measure.spans(launched)
             if pending:
-                start = len(launched.parts) + len(obs_parts) + len(lr_parts)
+                start = launched.size + len(obs_parts) + len(lr_parts)
                 spans.append((start, start + len(pending), "norm"))
             host = self.group.combine(host, spans)
-        k = len(launched.parts)
+        k = launched.size
         vectors = self.measure.vectors(launched, host[:k])
         gnorm = host[:len(launched.gidx)]
         total = float(np.sqrt(np.sum(gnorm**2))) if len(gnorm) else math.nan

@@ -51,6 +51,18 @@ def sharded(tensors: Sequence[torch.Tensor]) -> bool:
 _KEYS: dict[tuple[str, str], tuple[str, str]] = {}
 
 
+def _stacked(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """0-d tensors of one kind as one 1-D float32 tensor (stacking them per kind is cheaper than
+    stacking a step's hundreds of mixed float and integer values at once).
+    """
+    if not values:
+        return []
+    try:
+        return [torch.stack(values).float()]
+    except RuntimeError:  # several devices: one value each, the host read groups them per device
+        return [v.reshape(1).float() for v in values]
+
+
 def _key(scope: str, metric: str) -> tuple[str, str]:
     key = (scope, metric)
     return _KEYS.setdefault(key, key)
@@ -65,10 +77,16 @@ class Launched:
     grads: list[torch.Tensor]
     tidx: list[int] = field(default_factory=list)  # trainable parameters (sampled steps)
     acts: Activations = field(default_factory=list)
+    #: 1-D tensors (a few per step: one per statistic) whose values, in order, are read back
     parts: list[torch.Tensor] = field(default_factory=list)
     #: the parameters are sharded across ranks: ``parts`` are this rank's shards' statistics
     #: (see :meth:`Measure.spans` for how to combine them across ranks)
     sharded: bool = False
+
+    @property
+    def size(self) -> int:
+        """The number of values in ``parts`` (their positions in the step's host read)."""
+        return sum(p.numel() for p in self.parts)
 
 
 class Measure:
@@ -103,13 +121,13 @@ class Measure:
         shards = self._sharded and sharded(grads)
         if shards:  # FSDP: each rank measures its shards; the watcher combines them across ranks
             grads = [local(g) for g in grads]
-        out = Launched(sampled, gidx, grads, parts=stats.norms(grads), sharded=shards)
+        out = Launched(sampled, gidx, grads, parts=_stacked(stats.norms(grads)), sharded=shards)
         if sampled:
             out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
             out.acts = acts
-            out.parts += stats.max_abs(grads)
-            out.parts += stats.norms(self._weights(out.tidx))
-            out.parts += [t for _, values, _ in acts for t in values]
+            out.parts += _stacked(stats.max_abs(grads)) + _stacked(stats.norms(self._weights(out.tidx)))
+            for k in (0, 1, 2):  # activation norms, non-zero counts, saturated counts: one tensor each
+                out.parts += _stacked([values[k] for _, values, _ in acts if len(values) > k])
         return out
 
     def _weights(self, idx: list[int]) -> list[torch.Tensor]:
@@ -173,14 +191,13 @@ class Measure:
     def _activations(self, acts: Activations, host: np.ndarray) -> dict[str, np.ndarray]:
         L, n = len(self.found.layout.layers), len(acts)
         index = np.fromiter((a[0] for a in acts), dtype=np.int64, count=n)
-        width = np.fromiter((len(a[1]) for a in acts), dtype=np.int64, count=n)  # 2, or 3 with saturation
+        bounded = np.fromiter((len(a[1]) == 3 for a in acts), dtype=bool, count=n)  # with a saturated count
         count = np.fromiter((a[2] for a in acts), dtype=np.float64, count=n)
-        start = np.cumsum(width) - width
-        sumsq = np.bincount(index, weights=host[start] ** 2, minlength=L)
+        # host: every call's norm, then every call's number of non-zeros, then the saturated counts
+        sumsq = np.bincount(index, weights=host[:n] ** 2, minlength=L)
         numel = np.bincount(index, weights=count, minlength=L)
-        zeros = numel - np.bincount(index, weights=host[start + 1], minlength=L)  # the device counted non-zeros
-        bounded = width == 3
-        sat = np.bincount(index[bounded], weights=host[start[bounded] + 2], minlength=L)
+        zeros = numel - np.bincount(index, weights=host[n:2 * n], minlength=L)  # the device counted non-zeros
+        sat = np.bincount(index[bounded], weights=host[2 * n:2 * n + int(bounded.sum())], minlength=L)
         seen = numel > 0
         with np.errstate(invalid="ignore", divide="ignore"):
             sat_frac = np.where(seen & self._bounded, sat / numel, np.nan)

@@ -100,24 +100,28 @@ def activation_stats(out: Tensor, bounds: tuple[float, float] | None) -> list[Te
 
 
 def to_host(values: Sequence[Tensor]) -> np.ndarray:
-    """Copy 0-d tensors to the host as one float64 array: one synchronisation per device."""
+    """Copy tensors (0-d or 1-D, in order) to the host as one float64 array: one synchronisation per device."""
     if not values:
         return np.zeros(0)
-    try:  # the usual case (one device): one stack, one copy
-        stacked = torch.stack(values if isinstance(values, list) else list(values))
-    except RuntimeError:  # tensors on several devices: one stack and copy per device
-        return _to_host_by_device(values)
-    if stacked.dtype != torch.float32:
-        stacked = stacked.to(torch.float32)
-    return stacked.cpu().numpy().astype(np.float64)
+    flat = [v.reshape(-1) for v in values]
+    try:  # the usual case (one device): one concatenation, one copy
+        joined = torch.cat(flat)
+    except RuntimeError:  # tensors on several devices: one concatenation and copy per device
+        return _to_host_by_device(flat)
+    if joined.dtype != torch.float32:
+        joined = joined.to(torch.float32)
+    return joined.cpu().numpy().astype(np.float64)
 
 
-def _to_host_by_device(values: Sequence[Tensor]) -> np.ndarray:
+def _to_host_by_device(flat: list[Tensor]) -> np.ndarray:
     by_device: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(values):
+    for i, v in enumerate(flat):
         by_device.setdefault(v.device, []).append(i)
-    result = np.empty(len(values), dtype=np.float64)
+    sizes = [v.numel() for v in flat]
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    result = np.empty(int(starts[-1]), dtype=np.float64)
     for idx in by_device.values():
-        stacked = torch.stack([values[i] for i in idx]).to(torch.float32)
-        result[idx] = stacked.cpu().numpy()
+        values = torch.cat([flat[i].to(torch.float32) for i in idx]).cpu().numpy()
+        at = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in idx])
+        result[at] = values
     return result
