@@ -116,6 +116,7 @@ class Iteration:
     def relayout(self, found: Discovered) -> None:
         """A new layout: the sentinel moves to its first trainable parameter."""
         self.found = found
+        self.probe.quiet = False
         self.sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
         self.probe.watch_backward(found.params[self.sentinel])
         self._ref_idx, self.refs = preclip.reference_indices(found.params), None
@@ -143,17 +144,20 @@ class Iteration:
         if self.backward is not None and self.carry is None:
             self.carry = (self.observed, self.probe.take_activations())
             self.observed = {}
-        if self._tracker is not None:
-            self._tracker.capture(args, kwargs or {})
+        captured = self._tracker is not None and self._tracker.capture(args, kwargs or {})
         if self._activations and not self.probe.collecting and (
                 steps.sampled(steps.step) or (self.carry is not None and steps.sampled(steps.step + 1))):
             self.probe.attach_activations(self.found.leaf_modules)
+        # the iteration has begun: until its backward pass (or the next step) a further forward call
+        # changes nothing unless origin tracking captures it (a rollout's many calls cost next to nothing)
+        self.probe.quiet = not captured
 
     @guarded
     def backward_started(self) -> None:
         """A backward pass begins (told by the first of the sentinel's gradient and the outputs'
         gradients): the previous iteration's gradients were kept, or dropped.
         """
+        self.probe.quiet = False
         steps = self._steps
         if self.began or steps.closed:
             return
@@ -205,17 +209,18 @@ class Iteration:
 
     def stepped(self) -> None:
         """An optimizer step opens: the iterations since the last one are its micro-batches."""
+        self.probe.quiet = False  # the next forward call closes the step
         self.backward = None
         self.merge_carry()
 
     def aside(self, closure: Callable[[], Any]) -> Any:
         """Run a closure with gradwatch's hooks standing aside and the iteration's state kept."""
-        saved = self.backward, self.observed, self.probe.paused
+        saved = self.backward, self.observed, self.probe.paused, self.probe.quiet
         self.observed, self.probe.paused = {}, True
         try:
             return closure()
         finally:
-            self.backward, self.observed, self.probe.paused = saved
+            self.backward, self.observed, self.probe.paused, self.probe.quiet = saved
 
     def close(self) -> None:
         """The run closes: a last iteration whose gradients were dropped is recorded as a step."""

@@ -18,7 +18,7 @@ from gradwatch.aggregate import Aggregator
 from gradwatch.layout import Discovered
 from gradwatch.records import LAYER, PARAM
 
-#: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call of a step
+#: (layer index, [norm, non-zeros(, saturated)], elements the counts are of) for each leaf call of a step
 Activations = list[tuple[int, list[torch.Tensor], int]]
 
 

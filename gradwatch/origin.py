@@ -37,7 +37,7 @@ from gradwatch.layout import unwrap
 from gradwatch.rootcause import pergrad, words
 from gradwatch.rootcause.capture import KEEP_GRAD_NUMEL, MAX_CAPTURES, Capture, checked_ids
 from gradwatch.rootcause.diagnose import diagnose, not_reproducible, reference_norms
-from gradwatch.rootcause.locate import locate
+from gradwatch.rootcause.locate import Located, locate
 from gradwatch.rootcause.state import Autocast, Rng, devices, finite, preserved, tensors
 
 __all__ = ["Capture", "Tracker", "finite", "tensors"]
@@ -87,6 +87,9 @@ class Tracker:
         self.captures: list[Capture] = []
         #: the capture of the latest forward call (None when it was not captured, or none since :meth:`clear`)
         self.latest: Capture | None = None
+        #: forward calls of the step came after the captured ones (counted up to the first: later
+        #: calls pass the root hooks without work)
+        self.uncaptured = 0
         self.rng = Rng(inner)
         self._kinds = devices(inner)
         self._pending: dict[str, tuple[Any, bool]] = {}
@@ -96,22 +99,27 @@ class Tracker:
         self.reference = reference_norms(inner)
 
     # ------------------------------------------------------------- every step
-    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Remember a forward call: references to its inputs, and the RNG and autocast state it starts from.
 
         The first ``MAX_CAPTURES`` forward calls of a step are kept; later ones cost nothing (a loop
         of many single-sample forward calls per step, such as a policy-gradient rollout, pays for
         sixteen of them).
+
+        Returns:
+            whether the call was captured.
         """
         if len(self.captures) >= MAX_CAPTURES:
             self.latest = None
             self._pending.clear()  # sample ids given ahead of this call were its own
-            return
+            self.uncaptured += 1
+            return False
         cap = Capture.of(args, kwargs, self.rng.get(), Autocast.now(self._kinds))
         (cap.ids, cap.weak_ids), (cap.losses, _) = self._pending.pop("ids", (None, False)), \
             self._pending.pop("losses", (None, False))
         self.captures.append(cap)
         self.latest = cap
+        return True
 
     def note(self, *, sample_ids: Any = None, sample_losses: Any = None, weak: bool = False) -> None:
         """The ids (or per-sample losses, checked by :func:`checked_samples`) of a batch's samples:
@@ -157,6 +165,7 @@ class Tracker:
         """Forget the step's forward calls."""
         self.captures = []
         self.latest = None
+        self.uncaptured = 0
 
     # ------------------------------------------------------------ rare: replay
     def find(self, loss_finite: bool) -> dict[str, Any] | None:
@@ -188,11 +197,28 @@ class Tracker:
         return origin
 
     def _find(self, model: nn.Module, loss_finite: bool) -> dict[str, Any]:
+        # a call whose replay stays finite while the loss is not says "the loss function": with several
+        # calls in the step (a rollout, micro-batches) a later call may still reproduce it, so that verdict
+        # waits until every captured call was replayed
+        loss: tuple[Capture, Located] | None = None
         for cap in self.captures:
             self.rng.set(cap.rng)
             located = locate(model, cap, loss_finite)
-            if located is not None:
-                return diagnose(model, cap, located, self.rng, self.reference)
+            if located is None:
+                continue
+            if located.source == "loss":
+                loss = loss or (cap, located)
+                continue
+            return diagnose(model, cap, located, self.rng, self.reference)
+        if self.uncaptured:  # the NaN/Inf may have been born in a call that was not kept
+            return {"how": "attributed", "root_cause": {"cause": None, "cause_detail": (
+                f"the replays of the step's first {len(self.captures)} forward calls stayed finite; it had "
+                f"more, which origin tracking does not keep (the first {MAX_CAPTURES} of a step are kept): the "
+                "NaN/Inf was born in one of them, or in the loss function")},
+                "note": "not reproduced by the kept forward calls: the layer is the latest with a NaN/Inf gradient"}
+        if loss is not None:
+            self.rng.set(loss[0].rng)
+            return diagnose(model, loss[0], loss[1], self.rng, self.reference)
         own = any(cap.output is not None and not finite(cap.output) for cap in self.captures)
         return not_reproducible(len(self.captures), "output" if own else "gradients")
 

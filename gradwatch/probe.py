@@ -126,6 +126,9 @@ class Probe:
             self._handles.append(model.register_forward_hook(Hook(self._forward_post)))
         #: set while gradwatch itself runs the model (origin replay): every hook stands aside
         self.paused = False
+        #: the root's hooks have nothing to do until the next backward pass or optimizer step (a
+        #: forward call after the iteration's first that origin tracking does not capture)
+        self.quiet = False
         self._sentinel: list[RemovableHandle] = []
         self._act_handles: list[RemovableHandle] = []
         #: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call since attach
@@ -140,13 +143,15 @@ class Probe:
 
     # ------------------------------------------------------------------ root
     def _forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.quiet:
+            return
         # ``is_dynamo_compiling``, not ``is_compiling``: inside ``torch.compile(watched)`` these
         # hooks run eagerly around the compiled forward (where ``is_compiling`` is already true)
         if not self.paused and torch.is_grad_enabled() and not torch.compiler.is_dynamo_compiling():
             self._on_forward(args, kwargs)
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.paused or not torch.is_grad_enabled() or torch.compiler.is_dynamo_compiling():
+        if self.quiet or self.paused or not torch.is_grad_enabled() or torch.compiler.is_dynamo_compiling():
             return
         out = first_tensor(output)
         if out is not None and out.requires_grad and self._on_output is not None:
@@ -221,9 +226,10 @@ class Probe:
         """A leaf's forward hook: launch its output's reductions (traced into a compiled graph)."""
         if not self.collect or self.paused or not torch.is_grad_enabled():
             return
-        out = first_tensor(output)
+        out = output if type(output) is torch.Tensor and output.is_floating_point() else first_tensor(output)
         if out is not None:
-            self.activations.append((index, activation_stats(out, limits), out.numel()))
+            values, counted = activation_stats(out, limits)
+            self.activations.append((index, values, counted))
 
     def take_activations(self) -> list[tuple[int, list[torch.Tensor], int]]:
         """Hand over the activation reductions collected so far and start a new list."""
