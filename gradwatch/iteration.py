@@ -203,7 +203,7 @@ class Iteration:
         (observed, acts), self.carry = self.carry, None
         self.observed = merge(observed, self.observed)
         if self._steps.sampled(self._steps.step):
-            self.probe.activations[:0] = acts
+            self.probe.give_back(acts)
         else:
             self.probe.detach_activations()  # attached in case this forward began the next step
 

@@ -14,12 +14,13 @@ import numpy as np
 import torch
 
 from gradwatch import stats
+from gradwatch.activations import Reduced
 from gradwatch.aggregate import Aggregator
 from gradwatch.layout import Discovered
 from gradwatch.records import LAYER, PARAM
 
-#: (layer index, [norm, non-zeros(, saturated)], elements the counts are of) for each leaf call of a step
-Activations = list[tuple[int, list[torch.Tensor], int]]
+#: the activation statistics of a step's leaf calls
+Activations = list[Reduced]
 
 
 def _dtensor_type() -> type | None:
@@ -126,8 +127,9 @@ class Measure:
             out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
             out.acts = acts
             out.parts += _stacked(stats.max_abs(grads)) + _stacked(stats.norms(self._weights(out.tidx)))
-            for k in (0, 1, 2):  # activation norms, non-zero counts, saturated counts: one tensor each
-                out.parts += _stacked([values[k] for _, values, _ in acts if len(values) > k])
+            # activation norms, then non-zero counts, then saturated counts (a few 1-D tensors each)
+            out.parts += [p for r in acts for p in r.norms] + [p for r in acts for p in r.nonzeros] + \
+                [p for r in acts for p in r.saturated]
         return out
 
     def _weights(self, idx: list[int]) -> list[torch.Tensor]:
@@ -189,10 +191,14 @@ class Measure:
                 **{_key(PARAM, m): v.astype(np.float32) for m, v in pv.items()}}
 
     def _activations(self, acts: Activations, host: np.ndarray) -> dict[str, np.ndarray]:
-        L, n = len(self.found.layout.layers), len(acts)
-        index = np.fromiter((a[0] for a in acts), dtype=np.int64, count=n)
-        bounded = np.fromiter((len(a[1]) == 3 for a in acts), dtype=bool, count=n)  # with a saturated count
-        count = np.fromiter((a[2] for a in acts), dtype=np.float64, count=n)
+        L = len(self.found.layout.layers)
+        if acts:
+            index = np.concatenate([r.index for r in acts])
+            bounded = np.concatenate([r.bounded for r in acts])
+            count = np.concatenate([r.counted for r in acts])
+        else:
+            index, bounded, count = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0)
+        n = len(index)
         # host: every call's norm, then every call's number of non-zeros, then the saturated counts
         sumsq = np.bincount(index, weights=host[:n] ** 2, minlength=L)
         numel = np.bincount(index, weights=count, minlength=L)

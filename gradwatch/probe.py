@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from gradwatch.layout import bounds
-from gradwatch.stats import activation_stats
+from gradwatch.activations import Collected, Reduced
 
 
 def first_tensor(output: Any) -> torch.Tensor | None:
@@ -132,7 +132,8 @@ class Probe:
         self._sentinel: list[RemovableHandle] = []
         self._act_handles: list[RemovableHandle] = []
         #: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call since attach
-        self.activations: list[tuple[int, list[torch.Tensor], int]] = []
+        #: the activation statistics collected since attach (or the last take)
+        self.collected = Collected()
         self._leaf_hooks: list[tuple[nn.Module, Hook]] = []
         #: the leaf hooks take statistics (they are registered only while they do, unless kept)
         self.collect = False
@@ -196,7 +197,7 @@ class Probe:
         """
         if self.collect:
             return
-        self.activations = []
+        self.collected.clear()
         if self._leaves is not leaves:
             self._make_hooks(leaves)
         if not self._act_handles:
@@ -227,19 +228,22 @@ class Probe:
         if not self.collect or self.paused or not torch.is_grad_enabled():
             return
         out = output if type(output) is torch.Tensor and output.is_floating_point() else first_tensor(output)
-        if out is not None:
-            values, counted = activation_stats(out, limits)
-            self.activations.append((index, values, counted))
+        if out is None:
+            return
+        self.collected.add(index, out, limits, here=self.keep_hooks)
 
-    def take_activations(self) -> list[tuple[int, list[torch.Tensor], int]]:
-        """Hand over the activation reductions collected so far and start a new list."""
-        taken, self.activations = self.activations, []
-        return taken
+    def take_activations(self) -> list[Reduced]:
+        """Hand over the activation statistics collected so far and start anew."""
+        return self.collected.take()
+
+    def give_back(self, taken: list[Reduced]) -> None:
+        """Put statistics taken earlier (an earlier micro-batch's) before those collected since."""
+        self.collected.done[:0] = taken
 
     def detach_activations(self) -> None:
         """Stop taking activation statistics: the leaf hooks are removed (switched off when kept)."""
         self.collect = False
-        self.activations = []
+        self.collected.clear()
         if self.keep_hooks:
             return
         for handle in self._act_handles:

@@ -113,10 +113,15 @@ def activation_stats(out: Tensor, bounds: tuple[float, float] | None) -> tuple[l
     part = counted(out)
     stats = [torch.linalg.vector_norm(out, dtype=torch.float32), nonzeros(part)]
     if bounds is not None:
-        lo, hi = bounds
-        mid, half = (lo + hi) / 2.0, (hi - lo) / 2.0
-        stats.append(((part - mid).abs() >= 0.98 * half).sum())
+        stats.append(saturated(part, bounds))
     return stats, part.numel()
+
+
+def saturated(t: Tensor, bounds: tuple[float, float]) -> Tensor:
+    """Number of elements of ``t`` within 1% of the output range from either bound (0-d tensor)."""
+    lo, hi = bounds
+    mid, half = (lo + hi) / 2.0, (hi - lo) / 2.0
+    return ((t - mid).abs() >= 0.98 * half).sum()
 
 
 def to_host(values: Sequence[Tensor]) -> np.ndarray:

@@ -41,3 +41,29 @@ def test_a_non_contiguous_output_is_counted_whole() -> None:
     x = torch.randn(512, 256).t()
     assert not x.is_contiguous()
     assert stats.counted(x) is x
+
+
+def test_a_small_output_changed_in_place_later_is_measured_as_it_was(tmp_path) -> None:
+    """Small outputs are reduced together when the step reads them, from copies taken in the hook:
+    an in-place ReLU after a Linear must not change what the Linear's statistics say."""
+    import gradwatch as gw
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(inplace=True), nn.Linear(32, 1))
+    seen: dict[str, torch.Tensor] = {}
+    model[0].register_forward_hook(lambda m, a, out: seen.__setitem__("linear", out.detach().clone()))
+    gw.watch(model, run=tmp_path / "run", console=False, sample_every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 6), torch.randn(16, 1)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    gw.unwatch(model)
+    record = next(gw.open_run(tmp_path / "run").records())
+    layers = gw.open_run(tmp_path / "run").layers
+    linear, relu = layers.index("0"), layers.index("1")
+    before = seen["linear"]
+    assert torch.isclose(torch.tensor(record.vector("act_norm")[linear]), torch.linalg.vector_norm(before))
+    assert record.vector("act_zero_frac")[linear] == 0.0  # before the ReLU: no exact zeros
+    assert abs(record.vector("act_zero_frac")[relu] - float((before <= 0).float().mean())) < 1e-6
