@@ -6,7 +6,7 @@ bounded activation, its number of saturated elements (both over the elements
 in its hook. A smaller one is copied there (a later op of the forward pass may change the output
 in place) and the copies of one size are reduced together when the step reads them: one stack and
 two row reductions for hundreds of calls, where three reductions per call cost three launches
-each (a rollout of single-sample forward calls).
+each (a rollout of single-sample forward calls; the 96 leaf calls of a deep narrow MLP).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Collected:
             rows = torch.stack(copies)
             self.done.append(Reduced(
                 np.asarray(indices, dtype=np.int64), np.full(len(indices), float(rows.shape[1])),
-                [torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)], [rows.bool().sum(1, dtype=torch.float32)],
+                [torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)], [rows.bool().sum(1).float()],
                 np.zeros(len(indices), dtype=bool), []))
         self._small, self._kept = {}, 0
 

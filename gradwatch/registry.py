@@ -17,7 +17,7 @@ from torch import nn
 from gradwatch.config import Config, resolve
 from gradwatch.errors import ConfigError, GradwatchWarning
 from gradwatch.layout import unwrap
-from gradwatch.options import Options
+from gradwatch.options import Options, run_path
 from gradwatch.watching import Watcher
 
 M = TypeVar("M")
@@ -83,6 +83,8 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
             "pass the model itself, e.g. gw.watch(model, run='runs/exp1')"
         )
     model = model_or_class
+    if run is not None:
+        run = run_path(run)  # a bad path is refused before anything is created
     existing = _find(model)
     if existing is not None:
         if run is not None and Path(run).resolve() != existing.run_dir.resolve():

@@ -175,6 +175,9 @@ def _validate(table: Mapping[str, Any], where: str) -> dict[str, Any]:
     for key, (_, default) in params.items():
         if default is REQUIRED and key not in out:
             raise ConfigError(f"{where}: action {do!r} needs field {key!r}")
+    if out.get("above") is not None and out.get("below") is not None and out["above"] >= out["below"]:
+        raise ConfigError(f"{where}: field 'above' ({out['above']!r}) must be less than 'below' ({out['below']!r}): "
+                          "no value is both above and below")
     return out
 
 

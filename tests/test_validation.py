@@ -129,7 +129,6 @@ def test_good_run_paths_pass(tmp_path: Path) -> None:
     assert options.run_path(".") == Path(".")
 
 
-@pytest.mark.xfail(strict=True, reason="needs registry.watch to call options.run_path (an off-limits file)")
 @pytest.mark.parametrize("run", ["", "x" * 5000])
 def test_watch_refuses_a_bad_run_path(run: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -138,7 +137,6 @@ def test_watch_refuses_a_bad_run_path(run: str, tmp_path: Path, monkeypatch: pyt
     assert list(tmp_path.iterdir()) == [], "nothing written into the working directory"
 
 
-@pytest.mark.xfail(strict=True, reason="needs rules._validate to check the band (an off-limits file)")
 def test_a_rule_band_whose_above_exceeds_its_below_is_refused() -> None:
     with pytest.raises(gw.ConfigError, match="'above' .* must be less than 'below'"):
         gw.Rule(when="exploding", do="clip", above=10.0, below=1.0)
