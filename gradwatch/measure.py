@@ -126,7 +126,7 @@ class Measure:
         if sampled:
             out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
             out.acts = acts
-            out.parts += _stacked(stats.max_abs(grads)) + _stacked(stats.norms(self._weights(out.tidx)))
+            out.parts += stats.max_abs_stacked(grads) + _stacked(stats.norms(self._weights(out.tidx)))
             # activation norms, then non-zero counts, then saturated counts (a few 1-D tensors each)
             out.parts += [p for r in acts for p in r.norms] + [p for r in acts for p in r.nonzeros] + \
                 [p for r in acts for p in r.saturated]

@@ -68,6 +68,27 @@ def max_abs(tensors: Sequence[Tensor]) -> list[Tensor]:
     return norms(tensors, _INF)
 
 
+def max_abs_stacked(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Largest absolute value of each tensor as 1-D float32 tensors: one, unless the tensors are
+    on several devices (then one per tensor: the host read groups them per device).
+
+    On the CPU, one min/max pass per tensor and one stack of the ends (no 0-d tensor per value
+    to stack again); elsewhere the fused inf-norm.
+    """
+    if tensors and all(t.device.type == "cpu" and not t.is_sparse and t.numel() for t in tensors):
+        try:
+            ends = torch.stack([e for t in tensors for e in torch.aminmax(t)])
+        except RuntimeError:  # several dtypes
+            pass
+        else:
+            return [ends.float().abs().view(-1, 2).amax(1)]
+    values = max_abs(tensors)
+    try:
+        return [torch.stack(values)] if values else []
+    except RuntimeError:  # several devices
+        return [v.reshape(1) for v in values]
+
+
 def nonfinite_counts(tensors: Sequence[Tensor]) -> list[Tensor]:
     """Number of NaN/Inf elements of each tensor (0-d tensors)."""
     return [(~torch.isfinite(_dense(t))).sum() for t in tensors]
