@@ -6,7 +6,8 @@ bounded activation, its number of saturated elements (both over the elements
 in its hook. A smaller one is copied there (a later op of the forward pass may change the output
 in place) and the copies of one size are reduced together when the step reads them: one stack and
 two row reductions for hundreds of calls, where three reductions per call cost three launches
-each (a rollout of single-sample forward calls; the 96 leaf calls of a deep narrow MLP).
+each (a rollout of single-sample forward calls). Larger ones are not worth a copy: measured on
+the 8,192-element outputs of a deep narrow MLP, copying and stacking cost more than reducing each.
 """
 
 from __future__ import annotations
