@@ -7,6 +7,7 @@ reads them (with its own extra values) in one host copy and hands the numbers ba
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,14 +25,13 @@ Activations = list[Reduced]
 
 
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without DTensor (or without distributed)
-        return None
-    return DTensor
+    """``DTensor`` if the program uses it: a model with sharded parameters imported it to make them.
 
-
-_DTENSOR = _dtensor_type()
+    Never imported here: ``torch.distributed.tensor`` takes most of a second and tens of MiB to
+    import (sympy among them), which a training process that does not shard would pay for nothing.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -39,12 +39,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
     The shard shares the tensor's storage, so an in-place change (clipping) changes the tensor.
     """
-    return t.to_local() if _DTENSOR is not None and isinstance(t, _DTENSOR) else t  # type: ignore[attr-defined]
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t  # type: ignore[attr-defined]
 
 
 def sharded(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether any of these tensors is sharded across ranks (FSDP2 parameters and gradients)."""
-    return _DTENSOR is not None and any(isinstance(t, _DTENSOR) for t in tensors)
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
 
 
 #: the vectors' keys, one tuple each for every step: a record then holds no container the garbage

@@ -37,3 +37,21 @@ def test_attribution_times_every_part_and_puts_the_hooks_back(tmp_path: Path) ->
     assert parts["writer thread (CPU)"] >= 0
     assert {name: probe.Probe.__dict__[name] for name in before} == before
     assert lifecycle.Lifecycle.__dict__["step_pre"] is step_pre
+
+
+@pytest.mark.slow  # runs the benchmark, and three child processes for the memory peaks
+def test_the_rollout_workload_and_the_memory_peaks_are_measured(tmp_path: Path) -> None:
+    overhead = load_overhead()
+    out = tmp_path / "bench.json"
+    overhead.main(["--workloads", "pg", "--variants", "gradwatch", "--rounds", "1", "--steps", "10", "--memory",
+                   "--memory-steps", "2", "--threads", "1", "--json", str(out)])
+    report = __import__("json").loads(out.read_text())
+    variants = {r["variant"]: r for r in report["results"] if r["workload"] == "pg"}
+    assert set(variants) == {"bare", "gradwatch"}
+    assert report["unhealthy_runs"] == []  # the rollout trains healthily under the default rules
+    (memory,) = report["memory"]
+    assert memory["workload"] == "pg"
+    peaks = memory["peaks"]
+    assert set(peaks) == {"bare", "gradwatch", "gradwatch_rollback"}
+    assert all(p["peak_rss"] > 0 for p in peaks.values())
+    assert memory["gradwatch_rss_overhead"] == peaks["gradwatch"]["peak_rss"] - peaks["bare"]["peak_rss"]
