@@ -221,5 +221,5 @@ WORKLOADS = {
     "pg": Workload(Policy, lambda p: torch.optim.Adam(p, lr=1e-2), episode_batch, _unused_loss, steps=10, rounds=9,
                    target=1.02, train=rollout_step),
     "gpt2": Workload(gpt2_small, lambda p: torch.optim.AdamW(p, lr=3e-4), gpt2_batch, lm_loss, steps=10, rounds=2,
-                     target=1.01, warmup=2, warmup_watched=11, variants=("bare", "gradwatch")),
+                     target=1.01, warmup=2, warmup_watched=11, variants=("bare", "gradwatch", "foreach")),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -267,3 +268,21 @@ def test_nan_born_in_the_loss_names_the_samples_of_its_gradient(run_dir: Path) -
     assert row.data["root_cause"]["cause"] is None and row.data["samples"]["indices"] == [3]
     assert row.message.startswith("The gradient of the loss with respect to the model's output is already NaN/Inf "
                                   "(born in the loss) at step 2; samples to blame: sample 3; ")
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_a_large_output_gradient_is_reduced_to_a_finiteness_flag(bad: float | None) -> None:
+    """Beyond KEEP_GRAD_NUMEL elements the step's output gradient is not kept, only whether it was finite."""
+    from gradwatch.rootcause.capture import KEEP_GRAD_NUMEL, Capture
+    from gradwatch.rootcause.locate import output_grad
+    from gradwatch.rootcause.state import Autocast
+
+    grad = torch.randn(KEEP_GRAD_NUMEL + 7, generator=torch.Generator().manual_seed(0))
+    if bad is not None:
+        grad[KEEP_GRAD_NUMEL // 3] = bad
+    cap = Capture.of((), {}, [], Autocast())
+    cap.keep_grad(grad)
+    assert cap.grad is None
+    assert bool(cap.grad_finite) == (bad is None)
+    replayed, note = output_grad(cap, grad)
+    assert (replayed is None) == (bad is not None)
