@@ -133,7 +133,6 @@ class Probe:
         self.quiet = False
         self._sentinel: list[RemovableHandle] = []
         self._act_handles: list[RemovableHandle] = []
-        #: (layer index, [norm, non-zeros(, saturated)], numel) for each leaf call since attach
         #: the activation statistics collected since attach (or the last take)
         self.collected = Collected()
         self._leaf_hooks: list[tuple[nn.Module, Hook]] = []
