@@ -65,9 +65,12 @@ class Window:
 
     def update(self, x: np.ndarray | float, mask: np.ndarray | bool = True) -> None:
         """Append one row: ``x`` where ``mask`` and finite, a gap elsewhere."""
-        x = np.asarray(x, dtype=np.float64).reshape(-1)
-        keep = np.asarray(mask, dtype=bool) & np.isfinite(x)
-        self.buf[self.filled % self.size] = np.where(keep, x, np.nan)
+        if isinstance(x, float):  # one number (a global value): plain Python, no arrays to build
+            self.buf[self.filled % self.size] = x if mask and math.isfinite(x) else math.nan
+        else:
+            x = np.asarray(x, dtype=np.float64).reshape(-1)
+            keep = np.asarray(mask, dtype=bool) & np.isfinite(x)
+            self.buf[self.filled % self.size] = np.where(keep, x, np.nan)
         self.filled += 1
         self._updates += 1
         if self._updates >= self.refresh or self.filled <= self.size and (self.filled < 5 or self.filled % 5 == 0):
@@ -116,7 +119,10 @@ class Recent:
 
     def update(self, x: np.ndarray | float, mask: np.ndarray | bool) -> None:
         """Append one row: ``x`` where ``mask`` (the caller's: only finite values), a gap elsewhere."""
-        self.buf[self.filled % self.size] = np.where(mask, x, np.nan)
+        if isinstance(x, float):
+            self.buf[self.filled % self.size] = x if mask else math.nan
+        else:
+            self.buf[self.filled % self.size] = np.where(mask, x, np.nan)
         self.filled += 1
 
     def median(self, cols: np.ndarray, least: int) -> np.ndarray:

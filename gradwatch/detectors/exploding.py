@@ -141,16 +141,18 @@ class Exploding(Detector):
             cols = np.flatnonzero(l_flag)
             l_flag[cols] = ~(logs[cols] - self._recent.median(cols, EARLY) <= jump)
         over = self.limit > 0 and total > self.limit
-        center, typical = lay.center, self.typical()  # the baselines that judged (updates may refresh them)
-        l_excess = logs - center
+        layer_flag = bool(l_flag.any())
         bad = g_flag or over
+        if bad or layer_flag:  # the baselines that judged (the updates below may refresh them)
+            center, typical = lay.center, self.typical()
         self._global.update(log_total, not bad)
-        accepted = valid & ~l_flag & (not bad)
+        accepted = valid if not (bad or layer_flag) else valid & ~l_flag & (not bad)
         lay.update(logs, accepted)
         self._recent_global.update(log_total, not bad and total > 0)
         self._recent.update(logs, accepted)
-        if not (bad or l_flag.any()):
+        if not (bad or layer_flag):
             return []
+        l_excess = logs - center
         self.causes.note(EXPLOSION, record.step)
 
         flagged = np.flatnonzero(l_flag)

@@ -54,6 +54,7 @@ class Vanishing(Detector):
     _scale: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)  # 1/sqrt(numel)
     _sized: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), init=False, repr=False)
     _dead: bool = field(default=False, init=False, repr=False)  # a leaf was dead on the latest sampled step
+    _counting: bool = field(default=False, init=False, repr=False)  # some layer's count is above 0
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Count consecutive negligible steps per layer; report a layer when it reaches patience."""
@@ -85,7 +86,13 @@ class Vanishing(Detector):
             small[:] = False  # a too-high learning rate saturates and kills units: its consequences
         elif self._dead:
             small &= rms > 0  # exactly zero behind dead units: their consequence
+        if not small.any():  # the usual step: every count is reset where there is a gradient
+            if self._counting:
+                self._runs = self._runs * ~has
+                self._counting = bool(self._runs.any())
+            return []
         self._runs = np.where(small, self._runs + 1, self._runs * ~has)  # a layer without a gradient keeps its count
+        self._counting = True
         out = []
         due = np.flatnonzero(small & (self._runs == self.patience))
         zero = due[rms[due] == 0]
