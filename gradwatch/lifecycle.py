@@ -224,7 +224,7 @@ class Lifecycle(Recording):
             spans = self.measure.spans(launched)
             if pending:
                 start = launched.size + len(obs_parts) + len(lr_parts)
-                spans.append((start, start + len(pending), "norm"))
+                spans.append((start, start + sum(p.numel() for p in pending), "norm"))
             host = self.group.combine(host, spans)
         k = launched.size
         vectors = self.measure.vectors(launched, host[:k])

@@ -242,13 +242,15 @@ class Measure:
     def update_norms(
         self, before: dict[int, torch.Tensor], indices: list[int]
     ) -> tuple[list[int], list[torch.Tensor]]:
-        """Launch ||w_before - w_after|| for the snapshotted parameters among ``indices``."""
+        """Launch ||w_before - w_after|| for the snapshotted parameters among ``indices``: one value
+        per index, in a few 1-D tensors (one unless the parameters are on several devices).
+        """
         idx = [i for i in indices if i in before]
         if not idx:
             return [], []
         moved = [before.pop(i) for i in idx]
         torch._foreach_sub_(moved, self._weights(idx))  # our own copies: in place
-        return idx, stats.norms(moved)
+        return idx, _stacked(stats.norms(moved))
 
     def update_ratios(self, vectors: dict[tuple[str, str], np.ndarray], idx: list[int], host: np.ndarray) -> None:
         """Add ``update_ratio`` = ||delta w|| / ||w|| (per parameter and per layer) to a step's vectors."""

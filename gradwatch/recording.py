@@ -41,7 +41,7 @@ class Open:
     optimizers: set[int] = field(default_factory=set)
     before: dict[int, torch.Tensor] = field(default_factory=dict)  # weights before the update
     update_idx: list[int] = field(default_factory=list)
-    update_parts: list[torch.Tensor] = field(default_factory=list)  # ||delta w|| per parameter
+    update_parts: list[torch.Tensor] = field(default_factory=list)  # 1-D: ||delta w||, one value per update_idx
     skip: bool = False  # an action decided that this step changes nothing
 
 
