@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradwatch.stats import activation_stats
+from gradwatch.stats import activation_stats, stacked
 
 #: outputs of at most this many elements are copied and reduced together (beyond it, one launch per
 #: reduction costs less than the copies)
@@ -92,20 +92,8 @@ class Collected:
             self.done.append(Reduced(
                 np.fromiter((i for i, _, _ in one), dtype=np.int64, count=len(one)),
                 np.fromiter((c for _, _, c in one), dtype=np.float64, count=len(one)),
-                _stack([values[0] for _, values, _ in one]), _stack([values[1] for _, values, _ in one]),
-                bounded, _stack(sat)))
+                stacked([values[0] for _, values, _ in one]), stacked([values[1] for _, values, _ in one]),
+                bounded, stacked(sat)))
         taken = self.done
         self.clear()
         return taken
-
-
-def _stack(values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """0-d tensors as 1-D float32 tensors: one, or one per value when they are on several devices
-    (the host read groups them per device).
-    """
-    if not values:
-        return []
-    try:
-        return [torch.stack(values).float()]
-    except RuntimeError:  # several devices: a model split across devices
-        return [v.reshape(1).float() for v in values]

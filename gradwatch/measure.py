@@ -54,18 +54,6 @@ def sharded(tensors: Sequence[torch.Tensor]) -> bool:
 _KEYS: dict[tuple[str, str], tuple[str, str]] = {}
 
 
-def _stacked(values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """0-d tensors of one kind as one 1-D float32 tensor (stacking them per kind is cheaper than
-    stacking a step's hundreds of mixed float and integer values at once).
-    """
-    if not values:
-        return []
-    try:
-        return [torch.stack(values).float()]
-    except RuntimeError:  # several devices: one value each, the host read groups them per device
-        return [v.reshape(1).float() for v in values]
-
-
 def _key(scope: str, metric: str) -> tuple[str, str]:
     key = (scope, metric)
     return _KEYS.setdefault(key, key)
@@ -124,11 +112,11 @@ class Measure:
         shards = self._sharded and sharded(grads)
         if shards:  # FSDP: each rank measures its shards; the watcher combines them across ranks
             grads = [local(g) for g in grads]
-        out = Launched(sampled, gidx, grads, parts=_stacked(stats.norms(grads)), sharded=shards)
+        out = Launched(sampled, gidx, grads, parts=stats.stacked(stats.norms(grads)), sharded=shards)
         if sampled:
             out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
             out.acts = acts
-            out.parts += stats.max_abs_stacked(grads) + _stacked(stats.norms(self._weights(out.tidx)))
+            out.parts += stats.max_abs_stacked(grads) + stats.stacked(stats.norms(self._weights(out.tidx)))
             # activation norms, then non-zero counts, then saturated counts (a few 1-D tensors each)
             out.parts += [p for r in acts for p in r.norms] + [p for r in acts for p in r.nonzeros] + \
                 [p for r in acts for p in r.saturated]
@@ -250,7 +238,7 @@ class Measure:
             return [], []
         moved = [before.pop(i) for i in idx]
         torch._foreach_sub_(moved, self._weights(idx))  # our own copies: in place
-        return idx, _stacked(stats.norms(moved))
+        return idx, stats.stacked(stats.norms(moved))
 
     def update_ratios(self, vectors: dict[tuple[str, str], np.ndarray], idx: list[int], host: np.ndarray) -> None:
         """Add ``update_ratio`` = ||delta w|| / ||w|| (per parameter and per layer) to a step's vectors."""

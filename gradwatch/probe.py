@@ -29,8 +29,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from gradwatch.layout import bounds
 from gradwatch.activations import Collected, Reduced
+from gradwatch.layout import bounds
 
 
 def first_tensor(output: Any) -> torch.Tensor | None:

@@ -68,6 +68,18 @@ def max_abs(tensors: Sequence[Tensor]) -> list[Tensor]:
     return norms(tensors, _INF)
 
 
+def stacked(values: list[Tensor]) -> list[Tensor]:
+    """0-d tensors as 1-D float32 tensors to read back: one, or one per value when they are on
+    several devices (the host read groups them per device).
+    """
+    if not values:
+        return []
+    try:
+        return [torch.stack(values).float()]
+    except RuntimeError:  # several devices: a model split across devices
+        return [v.reshape(1).float() for v in values]
+
+
 def max_abs_stacked(tensors: Sequence[Tensor]) -> list[Tensor]:
     """Largest absolute value of each tensor as 1-D float32 tensors: one, unless the tensors are
     on several devices (then one per tensor: the host read groups them per device).
@@ -82,11 +94,7 @@ def max_abs_stacked(tensors: Sequence[Tensor]) -> list[Tensor]:
             pass
         else:
             return [ends.float().abs().view(-1, 2).amax(1)]
-    values = max_abs(tensors)
-    try:
-        return [torch.stack(values)] if values else []
-    except RuntimeError:  # several devices
-        return [v.reshape(1) for v in values]
+    return stacked(max_abs(tensors))
 
 
 def nonfinite_counts(tensors: Sequence[Tensor]) -> list[Tensor]:

@@ -46,8 +46,9 @@ def test_a_non_contiguous_output_is_counted_whole() -> None:
 def test_a_small_output_changed_in_place_later_is_measured_as_it_was(tmp_path) -> None:
     """Small outputs are reduced together when the step reads them, from copies taken in the hook:
     an in-place ReLU after a Linear must not change what the Linear's statistics say."""
-    import gradwatch as gw
     from torch import nn
+
+    import gradwatch as gw
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(inplace=True), nn.Linear(32, 1))
