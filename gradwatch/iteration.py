@@ -120,6 +120,8 @@ class Iteration:
         self.sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
         self.probe.watch_backward(found.params[self.sentinel])
         self._ref_idx, self.refs = preclip.reference_indices(found.params), None
+        if self._compiled:
+            self.probe.keep_root_hooks()
         if self._compiled and self._options.activations:  # hooks in the graph: registered before it is traced
             self.probe.keep_activation_hooks(found.leaf_modules)
 

@@ -119,18 +119,26 @@ class Probe:
         self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
         self._on_output = on_output
+        pre = model.register_forward_pre_hook(Hook(self._forward_pre), with_kwargs=True)
         self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(Hook(self._forward_pre), with_kwargs=True),
+            pre,
             register_optimizer_step_pre_hook(on_step_pre),
             register_optimizer_step_post_hook(lambda opt, args, kwargs: on_step_post(opt)),
         ]
+        #: the root's hooks: (hook dict, key) of each, taken out of their dicts while quiet
+        self._root: list[tuple[dict[int, Any], int]] = [(model._forward_pre_hooks, pre.id)]
         if on_output is not None:
-            self._handles.append(model.register_forward_hook(Hook(self._forward_post)))
+            post = model.register_forward_hook(Hook(self._forward_post))
+            self._handles.append(post)
+            self._root.append((model._forward_hooks, post.id))
+        #: the root's hooks taken out while quiet: (hook dict, key, hook, position)
+        self._aside: list[tuple[dict[int, Any], int, Any, int]] = []
+        #: whether quiet takes the root's hooks out of the module (not for a compiled model, whose
+        #: graph is guarded on its hooks: see :meth:`keep_root_hooks`)
+        self._lift = True
         #: set while gradwatch itself runs the model (origin replay): every hook stands aside
         self.paused = False
-        #: the root's hooks have nothing to do until the next backward pass or optimizer step (a
-        #: forward call after the iteration's first that origin tracking does not capture)
-        self.quiet = False
+        self._quiet = False
         self._sentinel: list[RemovableHandle] = []
         self._act_handles: list[RemovableHandle] = []
         #: the activation statistics collected since attach (or the last take)
@@ -144,11 +152,50 @@ class Probe:
         self._leaves: list[tuple[int, nn.Module]] | None = None
 
     # ------------------------------------------------------------------ root
+    @property
+    def quiet(self) -> bool:
+        """The root's hooks have nothing to do until the next backward pass or optimizer step (a
+        forward call after the iteration's first that origin tracking does not capture).
+
+        While quiet they are out of the module's hook dicts, so that a rollout's many forward calls
+        take ``nn.Module``'s path without hooks; they go back at their place when it ends.
+        """
+        return self._quiet
+
+    @quiet.setter
+    def quiet(self, value: bool) -> None:
+        if value == self._quiet:
+            return
+        self._quiet = value
+        if not self._lift:
+            return
+        if value:
+            for hooks, key in self._root:
+                if key in hooks:
+                    self._aside.append((hooks, key, hooks[key], list(hooks).index(key)))
+                    del hooks[key]
+            return
+        aside, self._aside = self._aside, []
+        for hooks, key, hook, position in reversed(aside):
+            if key in hooks:
+                continue
+            later = list(hooks)[position:]  # registered after this hook: they stay after it
+            hooks[key] = hook
+            for k in later:
+                hooks[k] = hooks.pop(k)
+
+    def keep_root_hooks(self) -> None:
+        """Leave the root's hooks in place while quiet (a compiled model's graph is guarded on them)."""
+        self.quiet = False
+        self._lift = False
+
     def _forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.quiet:
             return
         # ``is_dynamo_compiling``, not ``is_compiling``: inside ``torch.compile(watched)`` these
         # hooks run eagerly around the compiled forward (where ``is_compiling`` is already true)
+        if self._lift and torch.compiler.is_compiling():
+            self.keep_root_hooks()  # ``torch.compile(watched)``: its graph is guarded on the hooks
         if not self.paused and torch.is_grad_enabled() and not torch.compiler.is_dynamo_compiling():
             self._on_forward(args, kwargs)
 
@@ -253,6 +300,7 @@ class Probe:
 
     def detach(self) -> None:
         """Remove every hook."""
+        self.quiet = False  # the root's hooks back in place, so that their handles remove them
         self.keep_hooks = False
         self.detach_activations()
         for handle in self._sentinel:

@@ -103,3 +103,30 @@ def test_a_nan_in_a_call_after_the_captured_ones_is_found_at_its_step(run_dir: P
     detail = row.data["root_cause"]["cause_detail"]
     assert f"first {MAX_CAPTURES} forward calls stayed finite" in detail
     assert "it had more, which origin tracking does not keep" in detail
+
+
+def test_the_root_hooks_step_aside_while_quiet_and_come_back_in_their_place(run_dir: Path) -> None:
+    """After the calls origin tracking captures, gradwatch's root hooks leave the model's hook dicts
+    (a forward call then takes nn.Module's path without hooks); at the backward pass they are back
+    where they were, before a hook the user registered after watching, which runs on every call."""
+    model = policy()
+    gw.watch(model, run=run_dir, console=False)
+    seen: list[int] = []
+    user = model.register_forward_pre_hook(lambda m, args: seen.append(len(seen)))
+    before = (list(model._forward_pre_hooks), list(model._forward_hooks))
+    assert len(before[0]) == 2 and before[0][-1] == user.id
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        outs = []
+        for call in range(CALLS):
+            outs.append(model(torch.randn(1, 4)).sum())
+            if call == MAX_CAPTURES + 2:  # past the captured calls: only the user's hook is left
+                assert list(model._forward_pre_hooks) == [user.id] and not model._forward_hooks
+        torch.stack(outs).sum().backward()
+        assert (list(model._forward_pre_hooks), list(model._forward_hooks)) == before
+        opt.step()
+    assert len(seen) == 3 * CALLS  # the user's hook ran on every call
+    assert gw.watcher(model).step == 3
+    gw.unwatch(model)
+    assert list(model._forward_pre_hooks) == [user.id] and not model._forward_hooks
