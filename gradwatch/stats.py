@@ -153,6 +153,13 @@ def saturated(t: Tensor, bounds: tuple[float, float]) -> Tensor:
     return ((t - mid).abs() >= 0.98 * half).sum()
 
 
+def saturated_rows(rows: Tensor, bounds: tuple[float, float]) -> Tensor:
+    """:func:`saturated` of each row of a 2-D tensor (1-D tensor, one count per row)."""
+    lo, hi = bounds
+    mid, half = (lo + hi) / 2.0, (hi - lo) / 2.0
+    return ((rows - mid).abs() >= 0.98 * half).sum(1)
+
+
 def to_host(values: Sequence[Tensor]) -> np.ndarray:
     """Copy tensors (0-d or 1-D, in order) to the host as one float64 array: one synchronisation per device."""
     if not values:
