@@ -229,7 +229,7 @@ class Lifecycle(Recording):
         k = launched.size
         vectors = self.measure.vectors(launched, host[:k])
         gnorm = host[:len(launched.gidx)]
-        total = float(np.sqrt(np.sum(gnorm**2))) if len(gnorm) else math.nan
+        total = math.sqrt(float(gnorm @ gnorm)) if len(gnorm) else math.nan
         scalars = obs.scalars(observed, host[k:k + len(obs_parts)])
         k += len(obs_parts)
         if lr_parts:
@@ -243,7 +243,9 @@ class Lifecycle(Recording):
             self._record_pending(host[k:])
         if sampled and not self.sampled(step + 1):
             self.it.probe.detach_activations()
-        return Measured(launched, vectors, scalars, total, nonfinite=not np.isfinite(gnorm).all())
+        # a finite total means finite norms; an infinite one may come from finite norms (overflow)
+        return Measured(launched, vectors, scalars, total,
+                        nonfinite=not math.isfinite(total) and not np.isfinite(gnorm).all())
 
     def _loss_scale(self) -> torch.Tensor | None:
         """The scale of the GradScaler that scaled this step's backward pass, if one did (on the device)."""

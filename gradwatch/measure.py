@@ -7,6 +7,7 @@ reads them (with its own extra values) in one host copy and hands the numbers ba
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -150,7 +151,7 @@ class Measure:
         """
         P, n = len(self.found.params), len(step.gidx)
         gnorm = host[:n]
-        bad = np.flatnonzero(~np.isfinite(gnorm))
+        bad = np.flatnonzero(~np.isfinite(gnorm)) if not math.isfinite(float(gnorm.sum())) else ()
         if n == P:  # every parameter has a gradient: the usual step
             pv = {"grad_norm": gnorm, "grad_nonfinite": np.zeros(P)}
             has = self._agg.every

@@ -65,7 +65,13 @@ class Writer:
         Raises:
             WriterDied: the writer thread has stopped (the record cannot be written).
         """
-        self._put(record)
+        if self.died is None and self._thread.is_alive():  # the usual step: room in the queue, no wait
+            try:
+                self._queue.put_nowait(record)
+            except queue.Full:
+                self._put(record)
+        else:
+            self._put(record)
         if self._queue.qsize() >= self._high_water:
             self._wake.set()
 

@@ -126,10 +126,11 @@ class Exploding(Detector):
             # nothing enters the baselines; NaN/Inf elements are the nonfinite detector's
             return self._overflow(record, total, norms)
         log_total = math.log(total) if total > 0 else -math.inf
-        values = norms.astype(np.float64)
-        logs = np.full(len(values), -np.inf)
-        np.log(values, out=logs, where=values > 0)  # zero and NaN norms stay -inf: no baseline value
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.log(norms, dtype=np.float64)
         valid = np.isfinite(logs)
+        if not valid.all():
+            logs[~valid] = -np.inf  # zero and NaN norms: -inf, no baseline value
         lay = self._layers
         g_flag = bool(log_total > self._bound(self._global, self.ratio)[0])
         l_flag = valid & (logs > self._bound(lay, self.layer_ratio))
