@@ -44,7 +44,9 @@ Reported are the median over rounds of each variant's per-step time, and the med
 of the ratios of its block time and block CPU to the bare block's of the same round. On a machine
 shared with other work, wall-clock ratios are noisy (and with several intra-op threads, an
 oversubscribed CPU makes OpenMP's barriers wait for descheduled threads); the CPU ratio with
-``--threads 1`` is the steadier figure. gradwatch stays attached across rounds;
+``--threads 1`` is the steadier figure. glibc's malloc is pinned first (``--malloc``): by default it
+maps and unmaps large blocks with a threshold it adapts as it goes, so that one process page-faults
+on every step and the next not at all, which moved a CNN's ratio by +-3%. gradwatch stays attached across rounds;
 each of its blocks ends with ``watcher.flush()`` inside the timed region, so that the work of its
 writer thread is charged to gradwatch and does not spill into the next variant's block.
 
@@ -95,6 +97,7 @@ Run it with::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import statistics
@@ -332,6 +335,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--memory-steps", type=int, default=20, metavar="N",
                         help="steps after warm-up in each memory run (default: 20)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
+    parser.add_argument("--malloc", choices=("pinned", "default"), default="pinned",
+                        help="pinned (default): keep glibc's malloc from returning large freed blocks to the system "
+                        "and mapping them again, which adds page faults whose number varies from process to "
+                        "process (+-3%% of a CNN step); default: leave the allocator as it is")
     parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
     args = parser.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -353,6 +360,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def pin_malloc() -> bool:
+    """Keep glibc's malloc from unmapping and trimming large freed blocks (``mallopt``); False where
+    there is no glibc (the allocator is then left alone).
+
+    A training step frees and allocates tensors of megabytes. By default glibc serves them with
+    ``mmap`` above a threshold that it adapts as it goes, so whether a step page-faults on fresh
+    memory depends on the process's history: two runs of the same loop differed by 2.8 ms of
+    kernel time per CNN step. Bare and watched loops share the process, hence the allocator; pinned,
+    the ratio measures gradwatch rather than that history.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    big = 1 << 30
+    return bool(mallopt(m_mmap_threshold, big)) and bool(mallopt(m_trim_threshold, big))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -362,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="gradwatch-overhead-") as tmp:
         root = Path(tmp)
         rss = rss_run(args.rss_steps, root, console) if args.rss_steps else None
+        pinned = args.malloc == "pinned" and pin_malloc()  # after the RSS run: pinned memory is not returned
+        report["malloc_pinned"] = pinned
         results: list[Result] = []
         attribution: list[dict[str, Any]] = []
         memory: list[dict[str, Any]] = []

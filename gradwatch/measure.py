@@ -87,6 +87,9 @@ class Measure:
     def __init__(self, found: Discovered) -> None:
         self.found = found
         self._agg = Aggregator(found.layout)
+        #: every parameter's non-finite count on a step whose gradients are all finite (shared, read-only)
+        self._zeros = np.zeros(len(found.params), dtype=np.float32)
+        self._zeros.flags.writeable = False
         bounded = np.zeros(len(found.layout.layers), dtype=bool)
         bounded[list(found.layout.saturating)] = True
         self._bounded = bounded
@@ -153,7 +156,7 @@ class Measure:
         gnorm = host[:n]
         bad = np.flatnonzero(~np.isfinite(gnorm)) if not math.isfinite(float(gnorm.sum())) else ()
         if n == P:  # every parameter has a gradient: the usual step
-            pv = {"grad_norm": gnorm, "grad_nonfinite": np.zeros(P)}
+            pv = {"grad_norm": gnorm, "grad_nonfinite": self._zeros if not len(bad) else np.zeros(P)}
             has = self._agg.every
         else:
             pv = {"grad_norm": np.full(P, np.nan), "grad_nonfinite": np.full(P, np.nan)}
@@ -165,7 +168,8 @@ class Measure:
             pv["grad_nonfinite"][idx] = stats.to_host(stats.nonfinite_counts([step.grads[i] for i in bad]))
         lv = {
             "grad_norm": self._agg.norm(pv["grad_norm"], has),
-            "grad_nonfinite": self._agg.sum(pv["grad_nonfinite"], has),
+            "grad_nonfinite": self._agg.zeros if pv["grad_nonfinite"] is self._zeros
+            else self._agg.sum(pv["grad_nonfinite"], has),
         }
         if step.sampled:
             k = n
@@ -178,8 +182,8 @@ class Measure:
             lv["grad_max"] = self._agg.max(pv["grad_max"], has)
             lv["param_norm"] = self._agg.norm(pv["param_norm"], ~np.isnan(pv["param_norm"]))
             lv.update(self._activations(step.acts, host[k:]))
-        return {**{_key(LAYER, m): v.astype(np.float32) for m, v in lv.items()},
-                **{_key(PARAM, m): v.astype(np.float32) for m, v in pv.items()}}
+        return {**{_key(LAYER, m): v.astype(np.float32, copy=False) for m, v in lv.items()},
+                **{_key(PARAM, m): v.astype(np.float32, copy=False) for m, v in pv.items()}}
 
     def _activations(self, acts: Activations, host: np.ndarray) -> dict[str, np.ndarray]:
         L = len(self.found.layout.layers)

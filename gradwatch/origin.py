@@ -35,7 +35,7 @@ from torch import nn
 from gradwatch.findings import Finding
 from gradwatch.layout import unwrap
 from gradwatch.rootcause import pergrad, words
-from gradwatch.rootcause.capture import KEEP_GRAD_NUMEL, MAX_CAPTURES, Capture, checked_ids
+from gradwatch.rootcause.capture import KEEP_GRAD_NUMEL, KEEP_GRADS, MAX_CAPTURES, SMALL_OUTPUT, Capture, checked_ids
 from gradwatch.rootcause.diagnose import diagnose, not_reproducible, reference_norms
 from gradwatch.rootcause.locate import Located, locate
 from gradwatch.rootcause.state import Autocast, Rng, devices, finite, preserved, tensors
@@ -152,13 +152,18 @@ class Tracker:
 
         Returns:
             that call's capture, where the gradient arriving at the output goes
-            (:meth:`Capture.keep_grad`); None when the call was not captured.
+            (:meth:`Capture.keep_grad`); None when the call was not captured, or when its output
+            gradient is not kept (a small call after the step's first few: see ``KEEP_GRADS``).
         """
         cap = self.latest
         if cap is None:
             return None
-        if out.numel() <= KEEP_GRAD_NUMEL:
+        n = out.numel()
+        if n <= KEEP_GRAD_NUMEL:
             cap.output = out
+        if len(self.captures) > KEEP_GRADS and n < SMALL_OUTPUT:
+            cap.grad_kept = False
+            return None
         return cap
 
     def clear(self) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch.rootcause.capture import MAX_CAPTURES
+from gradwatch.rootcause.capture import KEEP_GRADS, MAX_CAPTURES
 
 CALLS = 40  # forward calls per optimizer step: more than origin tracking captures
 
@@ -130,3 +131,58 @@ def test_the_root_hooks_step_aside_while_quiet_and_come_back_in_their_place(run_
     assert gw.watcher(model).step == 3
     gw.unwatch(model)
     assert list(model._forward_pre_hooks) == [user.id] and not model._forward_hooks
+
+
+class _Trap(torch.autograd.Function):
+    """Identity on ``h``; in backward, a NaN gradient for a sample whose input's first feature is 7."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return torch.where(x[:, :1] == 7.0, torch.full_like(grad, float("nan")), grad), None
+
+
+class Trap(nn.Module):
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return _Trap.apply(h, x)
+
+
+class TrappedPolicy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.act, self.trap, self.out = nn.Linear(4, 16), nn.Tanh(), Trap(), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.trap(self.act(self.inp(x)), x))
+
+
+@pytest.mark.parametrize(("call", "kept"), [(2, True), (KEEP_GRADS + 6, False)])
+def test_a_nan_born_in_backward_of_a_captured_call_is_located(run_dir: Path, call: int, kept: bool) -> None:
+    """The first calls of a step keep the gradient arriving at their output; a small call after
+    them keeps none (a hook costs more than the call) and is replayed with a substitute output
+    gradient, which still finds the layer whose backward made the NaN, and says so."""
+    torch.manual_seed(0)
+    model = TrappedPolicy()
+    gw.watch(model, run=run_dir, console=False, rules=None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        opt.zero_grad()
+        outs = []
+        for k in range(CALLS):
+            x = torch.randn(1, 4, generator=gen)
+            if (step, k) == (2, call):
+                x[0, 0] = 7.0
+            outs.append(model(x).sum())
+        torch.stack(outs).sum().backward()
+        opt.step()
+    gw.unwatch(model)
+    row = gw.open_run(run_dir).findings().iloc[0]
+    assert (row.kind, row.step, row.phase, row.layer) == ("nonfinite", 2, "backward", "trap")
+    assert row.data["origin"] == "replayed"
+    assert ("substitute output gradient" in row.data.get("note", "")) == (not kept)

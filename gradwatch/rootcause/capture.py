@@ -15,6 +15,12 @@ from gradwatch.rootcause.state import Autocast, tensors
 KEEP_GRAD_NUMEL = 1 << 22
 #: forward calls per step kept for replay (gradient accumulation)
 MAX_CAPTURES = 16
+#: the gradient arriving at a kept call's output is kept for the first calls of a step, and for
+#: later ones whose output has at least SMALL_OUTPUT elements (a micro-batch): a hook on the
+#: output of a single-sample call of a rollout costs more than the call; such a call's backward is
+#: replayed with a substitute output gradient
+KEEP_GRADS = 4
+SMALL_OUTPUT = 1024
 
 
 @dataclass
@@ -28,6 +34,8 @@ class Capture:
         versions: the version counter of each input tensor, to tell inputs changed in place since.
         grad: the gradient that arrived at the model's output, when small enough to keep.
         grad_finite: a device flag saying whether that gradient was finite, when it was not kept.
+        grad_kept: False for a small call after the step's first :data:`KEEP_GRADS`, whose output
+            gradient is not hooked at all (see :data:`SMALL_OUTPUT`).
         output: the call's output (its first floating-point tensor), when small enough to keep: a
             replay whose output is finite where this one was not did not reproduce the step.
         ids: the user's ids of the batch's samples (``observe(sample_ids=...)``, ``batches(loader)``),
@@ -43,6 +51,7 @@ class Capture:
     versions: tuple[int, ...] = ()
     grad: torch.Tensor | None = None
     grad_finite: torch.Tensor | None = None
+    grad_kept: bool = True
     output: torch.Tensor | None = None
     ids: Any = None
     weak_ids: bool = False

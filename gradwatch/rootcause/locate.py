@@ -10,7 +10,7 @@ from torch import nn
 
 from gradwatch.layout import ROOT
 from gradwatch.probe import first_tensor
-from gradwatch.rootcause.capture import Capture
+from gradwatch.rootcause.capture import KEEP_GRADS, Capture
 from gradwatch.rootcause.state import finite
 
 
@@ -63,6 +63,9 @@ def output_grad(cap: Capture, out: torch.Tensor) -> tuple[torch.Tensor | None, s
         return cap.grad, None
     if cap.grad_finite is not None and not bool(cap.grad_finite):
         return None, None
+    if not cap.grad_kept:
+        return torch.ones_like(out), (f"replayed backward with a substitute output gradient (a small forward call "
+                                      f"after the step's first {KEEP_GRADS} keeps no output gradient)")
     return torch.ones_like(out), "replayed backward with a substitute output gradient"
 
 
