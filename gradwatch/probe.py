@@ -131,8 +131,8 @@ class Probe:
             post = model.register_forward_hook(Hook(self._forward_post))
             self._handles.append(post)
             self._root.append((model._forward_hooks, post.id))
-        #: the root's hooks taken out while quiet: (hook dict, key, hook, position)
-        self._aside: list[tuple[dict[int, Any], int, Any, int]] = []
+        #: the root's hooks taken out while quiet: (hook dict, key, hook, keys of the hooks before it)
+        self._aside: list[tuple[dict[int, Any], int, Any, frozenset[int]]] = []
         #: whether quiet takes the root's hooks out of the module (not for a compiled model, whose
         #: graph is guarded on its hooks: see :meth:`keep_root_hooks`)
         self._lift = True
@@ -172,17 +172,21 @@ class Probe:
         if value:
             for hooks, key in self._root:
                 if key in hooks:
-                    self._aside.append((hooks, key, hooks[key], list(hooks).index(key)))
+                    keys = list(hooks)
+                    self._aside.append((hooks, key, hooks[key], frozenset(keys[:keys.index(key)])))
                     del hooks[key]
             return
         aside, self._aside = self._aside, []
-        for hooks, key, hook, position in reversed(aside):
+        for hooks, key, hook, before in aside:
             if key in hooks:
                 continue
-            later = list(hooks)[position:]  # registered after this hook: they stay after it
+            # back after the hooks that were before it, before the others (registered after it,
+            # also while it was out)
+            items = list(hooks.items())
+            hooks.clear()
+            hooks.update([kv for kv in items if kv[0] in before])
             hooks[key] = hook
-            for k in later:
-                hooks[k] = hooks.pop(k)
+            hooks.update([kv for kv in items if kv[0] not in before])
 
     def keep_root_hooks(self) -> None:
         """Leave the root's hooks in place while quiet (a compiled model's graph is guarded on them)."""

@@ -161,6 +161,29 @@ class TrappedPolicy(nn.Module):
         return self.out(self.trap(self.act(self.inp(x)), x))
 
 
+@pytest.mark.parametrize("remove_first", [False, True])
+def test_hooks_registered_or_removed_while_gradwatchs_are_out_keep_their_order(run_dir: Path,
+                                                                               remove_first: bool) -> None:
+    """A hook registered before watching stays before gradwatch's; one registered while gradwatch's
+    is out comes after it; removing the first while gradwatch's is out changes neither."""
+    model = policy()
+    first = model.register_forward_pre_hook(lambda m, args: None)
+    gw.watch(model, run=run_dir, console=False)
+    ours = list(model._forward_pre_hooks)[1]
+    outs = []
+    for call in range(MAX_CAPTURES + 3):
+        outs.append(model(torch.randn(1, 4)).sum())
+        if call == MAX_CAPTURES + 1:  # gradwatch's hook is out
+            assert ours not in model._forward_pre_hooks
+            late = model.register_forward_pre_hook(lambda m, args: None)
+            if remove_first:
+                first.remove()
+    torch.stack(outs).sum().backward()
+    expected = ([] if remove_first else [first.id]) + [ours, late.id]
+    assert list(model._forward_pre_hooks) == expected
+    gw.unwatch(model)
+
+
 @pytest.mark.parametrize(("call", "kept"), [(2, True), (KEEP_GRADS + 6, False)])
 def test_a_nan_born_in_backward_of_a_captured_call_is_located(run_dir: Path, call: int, kept: bool) -> None:
     """The first calls of a step keep the gradient arriving at their output; a small call after
