@@ -76,7 +76,7 @@ class Collected:
             return
         indices, outs, versions, copies = self._small.setdefault((out.shape, out.dtype, limits), ([], [], [], []))
         indices.append(index)
-        if index in self.held:
+        if index in self.held and not out.is_inference():  # an inference tensor keeps no version: copied
             outs.append(out)
             versions.append(out._version)
             copies.append(None)
