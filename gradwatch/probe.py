@@ -20,6 +20,7 @@ next backward pass or optimizer step (a rollout of many single-sample calls per 
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -136,6 +137,8 @@ class Probe:
         #: whether quiet takes the root's hooks out of the module (not for a compiled model, whose
         #: graph is guarded on its hooks: see :meth:`keep_root_hooks`)
         self._lift = True
+        #: the thread that watches: only there are the root's hooks taken out
+        self._thread = threading.get_ident()
         #: set while gradwatch itself runs the model (origin replay): every hook stands aside
         self.paused = False
         self._quiet = False
@@ -170,6 +173,8 @@ class Probe:
         if not self._lift:
             return
         if value:
+            if threading.get_ident() != self._thread:
+                return  # another thread (DataParallel's replicas share the hook dicts): left in place
             for hooks, key in self._root:
                 if key in hooks:
                     keys = list(hooks)

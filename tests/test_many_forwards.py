@@ -8,6 +8,7 @@ captured call is replayed to its origin, and one born in a later call is still f
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,26 @@ def test_hooks_registered_or_removed_while_gradwatchs_are_out_keep_their_order(r
     torch.stack(outs).sum().backward()
     expected = ([] if remove_first else [first.id]) + [ours, late.id]
     assert list(model._forward_pre_hooks) == expected
+    gw.unwatch(model)
+
+
+def test_the_root_hooks_stay_in_place_when_another_thread_runs_the_model(run_dir: Path) -> None:
+    """Only the thread that watches takes the root's hooks out: replicas run in other threads
+    (DataParallel) share the module's hook dicts."""
+    model = policy()
+    gw.watch(model, run=run_dir, console=False)
+    ours = list(model._forward_pre_hooks)
+    seen: list[list[int]] = []
+
+    def work() -> None:
+        outs = [model(torch.randn(1, 4)).sum() for _ in range(MAX_CAPTURES + 3)]
+        seen.append(list(model._forward_pre_hooks))
+        torch.stack(outs).sum().backward()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert seen == [ours]
     gw.unwatch(model)
 
 
