@@ -41,8 +41,12 @@ class NonFinite(Detector):
         bad_forward = record.skipped and (record.origin or {}).get("phase") == "forward"
         if record.skipped and not (bad_loss or bad_forward):
             return []
-        counts = record.vector("grad_nonfinite", PARAM)
-        bad_grads = int(np.nansum(counts)) if counts is not None and (counts > 0).any() else 0
+        total = record.scalars.get("grad_norm")
+        if total is not None and math.isfinite(total):  # a finite global norm: every element is finite
+            bad_grads = 0
+        else:
+            counts = record.vector("grad_nonfinite", PARAM)
+            bad_grads = int(np.nansum(counts)) if counts is not None and (counts > 0).any() else 0
         act = record.vector("act_norm")
         bad_act = np.zeros(0, dtype=bool)
         if act is not None:
