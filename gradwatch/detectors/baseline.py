@@ -71,6 +71,14 @@ class Window:
             x = np.asarray(x, dtype=np.float64).reshape(-1)
             keep = np.asarray(mask, dtype=bool) & np.isfinite(x)
             self.buf[self.filled % self.size] = np.where(keep, x, np.nan)
+        self._appended()
+
+    def put(self, x: np.ndarray) -> None:
+        """Append one row as it is: finite values, NaN for gaps (the usual step: no masking)."""
+        self.buf[self.filled % self.size] = x
+        self._appended()
+
+    def _appended(self) -> None:
         self.filled += 1
         self._updates += 1
         if self._updates >= self.refresh or self.filled <= self.size and (self.filled < 5 or self.filled % 5 == 0):
@@ -121,6 +129,8 @@ class Recent:
         """Append one row: ``x`` where ``mask`` (the caller's: only finite values), a gap elsewhere."""
         if isinstance(x, float):
             self.buf[self.filled % self.size] = x if mask else math.nan
+        elif mask is True:
+            self.buf[self.filled % self.size] = x
         else:
             self.buf[self.filled % self.size] = np.where(mask, x, np.nan)
         self.filled += 1

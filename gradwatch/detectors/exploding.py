@@ -126,11 +126,9 @@ class Exploding(Detector):
             # nothing enters the baselines; NaN/Inf elements are the nonfinite detector's
             return self._overflow(record, total, norms)
         log_total = math.log(total) if total > 0 else -math.inf
-        with np.errstate(divide="ignore", invalid="ignore"):
-            logs = np.log(norms, dtype=np.float64)
+        # zero and NaN norms (a layer without a gradient, or without parameters): NaN, no baseline value
+        logs = np.log(np.where(norms > 0, norms, np.nan), dtype=np.float64)
         valid = np.isfinite(logs)
-        if not valid.all():
-            logs[~valid] = -np.inf  # zero and NaN norms: -inf, no baseline value
         lay = self._layers
         g_flag = bool(log_total > self._bound(self._global, self.ratio)[0])
         l_flag = valid & (logs > self._bound(lay, self.layer_ratio))
@@ -147,9 +145,13 @@ class Exploding(Detector):
         if bad or layer_flag:  # the baselines that judged (the updates below may refresh them)
             center, typical = lay.center, self.typical()
         self._global.update(log_total, not bad)
+        self._recent_global.update(log_total, not bad and total > 0)
+        if not (bad or layer_flag):  # the usual step: every layer's value enters as it is (NaN: a gap)
+            lay.put(logs)
+            self._recent.update(logs, True)
+            return []
         accepted = valid if not (bad or layer_flag) else valid & ~l_flag & (not bad)
         lay.update(logs, accepted)
-        self._recent_global.update(log_total, not bad and total > 0)
         self._recent.update(logs, accepted)
         if not (bad or layer_flag):
             return []
