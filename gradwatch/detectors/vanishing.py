@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,16 +67,26 @@ class Vanishing(Detector):
             numel = np.asarray(layout.layer_numel, dtype=np.float64)
             self._runs, self._version = np.zeros(len(layout.layers), dtype=np.int64), layout.version
             self._scale, self._sized = 1.0 / np.sqrt(np.maximum(numel, 1.0)), numel > 0
-        bad = record.vector("grad_nonfinite")
-        if bad is not None and (bad > 0).any():
-            return []  # a non-finite step is the nonfinite detector's
+        total = record.scalars.get("grad_norm")
+        finite = total is not None and math.isfinite(total)  # then so is every element and every norm
+        if not finite:
+            bad = record.vector("grad_nonfinite")
+            if bad is not None and (bad > 0).any():
+                return []  # a non-finite step is the nonfinite detector's
         zeros = record.vector("act_zero_frac")
         if zeros is not None:
             self._dead = bool((zeros >= DEAD).any())  # NaN (leaf not called) compares False
         rms = norm.astype(np.float64) * self._scale
-        if np.isinf(rms).any():
+        if not finite and np.isinf(rms).any():
             return []  # an overflowing gradient norm is the exploding detector's
         has = np.isfinite(rms) & self._sized
+        measured = rms[has]
+        if len(measured):
+            low = measured.min()
+            # the median is at most the largest: a smallest RMS above both bounds leaves nothing small
+            if low > 0 and low >= max(self.absolute, self.relative * measured.max()):
+                self._reset(has)
+                return []
         positive = rms[has & (rms > 0)]
         if not len(positive):
             self._runs[:] = 0  # every gradient exactly zero: the zero_gradient detector's
@@ -87,9 +98,7 @@ class Vanishing(Detector):
         elif self._dead:
             small &= rms > 0  # exactly zero behind dead units: their consequence
         if not small.any():  # the usual step: every count is reset where there is a gradient
-            if self._counting:
-                self._runs = self._runs * ~has
-                self._counting = bool(self._runs.any())
+            self._reset(has)
             return []
         self._runs = np.where(small, self._runs + 1, self._runs * ~has)  # a layer without a gradient keeps its count
         self._counting = True
@@ -115,6 +124,12 @@ class Vanishing(Detector):
             out.append(self.finding(record, "warning", name, message, value=float(ratio),
                                     data={"rms": float(rms[i]), "median_rms": median, "hint": HINT}))
         return out
+
+    def _reset(self, has: np.ndarray) -> None:
+        """Nothing is small: every count is reset where there is a gradient."""
+        if self._counting:
+            self._runs = self._runs * ~has
+            self._counting = bool(self._runs.any())
 
 
 def _median(values: np.ndarray) -> float:
