@@ -234,7 +234,7 @@ class Lifecycle(Recording):
         k += len(obs_parts)
         if lr_parts:
             scalars["lr"], k = float(host[k]), k + 1
-        elif isinstance(lr, numbers.Real):
+        elif type(lr) is float or isinstance(lr, numbers.Real):  # the ABC check costs 10 us: floats first
             scalars["lr"] = float(lr)
         if refs is not None:
             preclip.apply(scalars, refs, host[k:k + len(ref_parts)], gnorm, launched.gidx, total, scale is not None)
