@@ -53,6 +53,9 @@ class Collected:
     def __init__(self) -> None:
         #: leaves whose small outputs are changed in place after their hook: copied there
         self.copied: set[int] = set()
+        #: the stacks' memory, kept from one sampled step to the next by (size, dtype): a fresh
+        #: allocation of megabytes each step page-faults (glibc maps it anew), a reused one does not
+        self._rows: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         #: leaves whose small outputs are known to stay as they are until the step: held
         self.held: set[int] = set()
         self.clear()
@@ -114,15 +117,28 @@ class Collected:
                 kept.append(index)
             if not kept:
                 continue
-            rows = torch.stack(rows_of).reshape(len(kept), shape.numel())
+            rows, nonzero = self._stacked(rows_of, shape)
             indices = kept
             self.done.append(Reduced(
                 np.asarray(indices, dtype=np.int64), np.full(len(indices), float(rows.shape[1])),
                 [torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)],
-                [rows.bool().sum(1, dtype=torch.int32).float()],  # int32: 2.4x faster than int64 on a CPU
+                [nonzero.sum(1, dtype=torch.int32).float()],  # int32: 2.4x faster than int64 on a CPU
                 np.full(len(indices), limits is not None),
                 [saturated_rows(rows, limits).float()] if limits is not None else []))
         self._small, self._kept = {}, 0
+
+    def _stacked(self, outs: list[torch.Tensor], shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outputs as the rows of a matrix, and whether each element is non-zero, in reused memory."""
+        k, n, dtype = len(outs), shape.numel(), outs[0].dtype
+        rows, nonzero = self._rows.get((n, dtype), (None, None))
+        if rows is None or nonzero is None or rows.shape[0] < k:
+            rows = torch.empty((k, n), dtype=dtype)  # at most KEPT elements (and as many bytes of flags)
+            nonzero = torch.empty(rows.shape, dtype=torch.bool)
+            self._rows[(n, dtype)] = (rows, nonzero)
+        rows, nonzero = rows[:k], nonzero[:k]
+        torch.stack(outs, out=rows.view(k, *shape))
+        nonzero.copy_(rows)  # a cast to bool: NaN counts as non-zero (4x faster than comparing with 0)
+        return rows, nonzero
 
     def take(self) -> list[Reduced]:
         """Hand over the statistics collected so far and start anew."""
