@@ -87,8 +87,8 @@ class Tracker:
         self.captures: list[Capture] = []
         #: the capture of the latest forward call (None when it was not captured, or none since :meth:`clear`)
         self.latest: Capture | None = None
-        #: forward calls of the step came after the captured ones (counted up to the first: later
-        #: calls pass the root hooks without work)
+        #: forward calls of the step came after the captured ones (counted up to the first: the root's
+        #: hooks are out of the module during later calls)
         self.uncaptured = 0
         self.rng = Rng(inner)
         self._kinds = devices(inner)

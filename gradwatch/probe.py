@@ -13,8 +13,9 @@
 No hook does Python work per module or per parameter on a step that takes no activation
 statistics: a forward call costs the root's pre-hook (and, with origin tracking, its forward
 hook), a backward pass one call at its start and one at its end. After the first forward call
-of an iteration that origin tracking does not capture, the root's hooks return at once until the
-next backward pass or optimizer step (a rollout of many single-sample calls per step).
+of an iteration that origin tracking does not capture, the root's hooks are out of the module's
+hook dicts until the next backward pass or optimizer step (a rollout of many single-sample calls
+per step takes ``nn.Module``'s path without hooks), then back in their place.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Many forward calls per optimizer step (a policy-gradient rollout of single-sample calls).
 
-Origin tracking captures the first sixteen calls of a step; the calls after them pass gradwatch's
-root hooks without work until the next backward pass or optimizer step. What must not change:
+Origin tracking captures the first sixteen calls of a step; during the calls after them gradwatch's
+root hooks are out of the module until the next backward pass or optimizer step. What must not change:
 every step is recorded, a sampled step's activation statistics cover every call, a NaN born in a
 captured call is replayed to its origin, and one born in a later call is still found at its step.
 """
