@@ -227,9 +227,9 @@ class Lifecycle(Recording):
                 spans.append((start, start + sum(p.numel() for p in pending), "norm"))
             host = self.group.combine(host, spans)
         k = launched.size
-        vectors = self.measure.vectors(launched, host[:k])
         gnorm = host[:len(launched.gidx)]
         total = math.sqrt(float(gnorm @ gnorm)) if len(gnorm) else math.nan
+        vectors = self.measure.vectors(launched, host[:k], finite=math.isfinite(total))
         scalars = obs.scalars(observed, host[k:k + len(obs_parts)])
         k += len(obs_parts)
         if lr_parts:

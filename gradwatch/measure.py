@@ -7,7 +7,6 @@ reads them (with its own extra values) in one host copy and hands the numbers ba
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -146,15 +145,16 @@ class Measure:
             spans += [(n, 2 * n, "max"), (2 * n, 2 * n + len(step.tidx), "norm")]
         return spans
 
-    def vectors(self, step: Launched, host: np.ndarray) -> dict[tuple[str, str], np.ndarray]:
+    def vectors(self, step: Launched, host: np.ndarray, *, finite: bool) -> dict[tuple[str, str], np.ndarray]:
         """Per-parameter and per-layer vectors from the host copy of ``step.parts``.
 
         On the rare step with a non-finite gradient norm, the non-finite elements of the
         offending gradients are counted with one more read (a finite norm means none).
+        ``finite``: the step's global gradient norm is finite (then so is every norm).
         """
         P, n = len(self.found.params), len(step.gidx)
         gnorm = host[:n]
-        bad = np.flatnonzero(~np.isfinite(gnorm)) if not math.isfinite(float(gnorm.sum())) else ()
+        bad = np.flatnonzero(~np.isfinite(gnorm)) if not finite else ()
         if n == P:  # every parameter has a gradient: the usual step
             pv = {"grad_norm": gnorm, "grad_nonfinite": self._zeros if not len(bad) else np.zeros(P)}
             has = self._agg.every

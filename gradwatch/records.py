@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,13 @@ class StepRecord:
     def vector(self, metric: str, scope: str = LAYER) -> np.ndarray | None:
         """One metric's vector, or None when it was not measured on this step."""
         return self.vectors.get((scope, metric))
+
+    def gradients_finite(self) -> bool:
+        """Whether the global gradient norm is known and finite: then so is every gradient element
+        (a NaN or Inf makes the sum of squares NaN or Inf), and no count needs scanning.
+        """
+        total = self.scalars.get("grad_norm")
+        return total is not None and math.isfinite(total)
 
 
 def present(record: StepRecord, scope: str, metric: str) -> np.ndarray:

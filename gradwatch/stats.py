@@ -146,18 +146,21 @@ def activation_stats(out: Tensor, bounds: tuple[float, float] | None) -> tuple[l
     return stats, part.numel()
 
 
-def saturated(t: Tensor, bounds: tuple[float, float]) -> Tensor:
-    """Number of elements of ``t`` within 1% of the output range from either bound (0-d tensor)."""
+def _near_bounds(t: Tensor, bounds: tuple[float, float]) -> Tensor:
+    """Whether each element of ``t`` lies within 1% of the output range from either bound."""
     lo, hi = bounds
     mid, half = (lo + hi) / 2.0, (hi - lo) / 2.0
-    return ((t - mid).abs() >= 0.98 * half).sum(dtype=torch.int32 if t.numel() < 2**31 else torch.int64)
+    return (t - mid).abs() >= 0.98 * half
+
+
+def saturated(t: Tensor, bounds: tuple[float, float]) -> Tensor:
+    """Number of elements of ``t`` within 1% of the output range from either bound (0-d tensor)."""
+    return _near_bounds(t, bounds).sum(dtype=torch.int32 if t.numel() < 2**31 else torch.int64)
 
 
 def saturated_rows(rows: Tensor, bounds: tuple[float, float]) -> Tensor:
     """:func:`saturated` of each row of a 2-D tensor (1-D tensor, one count per row)."""
-    lo, hi = bounds
-    mid, half = (lo + hi) / 2.0, (hi - lo) / 2.0
-    return ((rows - mid).abs() >= 0.98 * half).sum(1, dtype=torch.int32)  # rows of far fewer than 2**31
+    return _near_bounds(rows, bounds).sum(1, dtype=torch.int32)  # rows of far fewer than 2**31
 
 
 def to_host(values: Sequence[Tensor]) -> np.ndarray:

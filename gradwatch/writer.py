@@ -65,13 +65,7 @@ class Writer:
         Raises:
             WriterDied: the writer thread has stopped (the record cannot be written).
         """
-        if self.died is None and self._thread.is_alive():  # the usual step: room in the queue, no wait
-            try:
-                self._queue.put_nowait(record)
-            except queue.Full:
-                self._put(record)
-        else:
-            self._put(record)
+        self._put(record)
         if self._queue.qsize() >= self._high_water:
             self._wake.set()
 
@@ -107,6 +101,11 @@ class Writer:
     def _put(self, item: object) -> None:
         """Queue an item, waiting while the queue is full, but never on a writer thread that stopped."""
         self._check()
+        try:  # the usual case: room in the queue, no timed wait
+            self._queue.put_nowait(item)
+            return
+        except queue.Full:
+            pass
         while True:
             try:
                 self._queue.put(item, timeout=_POLL)

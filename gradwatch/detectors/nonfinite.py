@@ -41,8 +41,7 @@ class NonFinite(Detector):
         bad_forward = record.skipped and (record.origin or {}).get("phase") == "forward"
         if record.skipped and not (bad_loss or bad_forward):
             return []
-        total = record.scalars.get("grad_norm")
-        if total is not None and math.isfinite(total):  # a finite global norm: every element is finite
+        if record.gradients_finite():
             bad_grads = 0
         else:
             counts = record.vector("grad_nonfinite", PARAM)

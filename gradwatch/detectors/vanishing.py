@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,8 +66,7 @@ class Vanishing(Detector):
             numel = np.asarray(layout.layer_numel, dtype=np.float64)
             self._runs, self._version = np.zeros(len(layout.layers), dtype=np.int64), layout.version
             self._scale, self._sized = 1.0 / np.sqrt(np.maximum(numel, 1.0)), numel > 0
-        total = record.scalars.get("grad_norm")
-        finite = total is not None and math.isfinite(total)  # then so is every element and every norm
+        finite = record.gradients_finite()  # then so is every layer's norm
         if not finite:
             bad = record.vector("grad_nonfinite")
             if bad is not None and (bad > 0).any():
