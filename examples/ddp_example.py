@@ -43,6 +43,7 @@ def train(rank: int, world: int) -> None:
         run = gw.open_run("runs/ddp")
         print(run)
         print(run.findings()[["step", "kind", "layer", "action", "message"]].to_string(index=False))
+    dist.barrier()  # every rank tears the group down together, not while another still reads or trains
     dist.destroy_process_group()
 
 
