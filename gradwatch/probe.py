@@ -156,6 +156,10 @@ class Probe:
         self._leaves: list[tuple[int, nn.Module]] | None = None
 
     # ------------------------------------------------------------------ root
+    def in_watching_thread(self) -> bool:
+        """Whether the caller runs in the thread that started watching (the training thread, as a rule)."""
+        return threading.get_ident() == self._thread
+
     @property
     def quiet(self) -> bool:
         """The root's hooks have nothing to do until the next backward pass or optimizer step (a
@@ -174,7 +178,7 @@ class Probe:
         if not self._lift:
             return
         if value:
-            if threading.get_ident() != self._thread:
+            if not self.in_watching_thread():
                 return  # another thread (DataParallel's replicas share the hook dicts): left in place
             for hooks, key in self._root:
                 if key in hooks:

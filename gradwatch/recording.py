@@ -39,6 +39,7 @@ class Open:
 
     record: StepRecord
     optimizers: set[int] = field(default_factory=set)
+    stepped: set[int] = field(default_factory=set)  # the optimizers whose step has returned
     before: dict[int, torch.Tensor] = field(default_factory=dict)  # weights before the update
     update_idx: list[int] = field(default_factory=list)
     update_parts: list[torch.Tensor] = field(default_factory=list)  # 1-D: ||delta w||, one value per update_idx
@@ -70,6 +71,8 @@ class Recording:
     open: Open | None
     #: a closed sampled step waiting for its update norms (read with the next step's host read)
     pending: Open | None
+    #: the optimizers that stepped in the latest closed step (None before one closed)
+    stepping: frozenset[int] | None
     #: the step being judged
     current: StepRecord | None
     latest: dict[str, float]
@@ -203,6 +206,7 @@ class Recording:
         step = self.open
         if step is None:
             return
+        step.stepped.add(id(opt))
         if step.skip:
             self.control.give_back(opt)
             return
@@ -217,6 +221,7 @@ class Recording:
         """Close the open step: record it now, or with its update norms at the next host read."""
         step, self.open = self.open, None
         assert step is not None
+        self.stepping = frozenset(step.optimizers)
         if self.manual and step.before and not step.skip:  # updated by hand since the step's moment
             trainable = [i for i, p in enumerate(self.found.params) if p.requires_grad]
             idx, parts = self.measure.update_norms(step.before, trainable)
@@ -227,6 +232,27 @@ class Recording:
             self.pending = step
         else:
             self.submit(step.record)
+
+    @guarded
+    def settle(self) -> None:
+        """Record the step every optimizer has finished, with its update norms (for a flush: on
+        disk is everything trained so far, not all but the last step).
+
+        The step stays open while an optimizer that stepped before has not stepped in it yet
+        (two optimizers: a flush between their steps), on the first step (which optimizers step
+        together is known once a step has ended), and in a loop that updates by hand (the update
+        may still be to come). The update norms of a sampled step cost one host read here;
+        in a distributed run they wait for the next step's read (an FSDP shard's norms are combined
+        there, across ranks).
+        """
+        if not self.it.probe.in_watching_thread():  # a reader's thread: the training thread owns the step
+            return
+        step = self.open
+        if step is not None and not self.manual and self.stepping is not None and step.stepped >= step.optimizers \
+                and self.stepping | {id(opt) for opt in self.optimizers.all()} <= step.optimizers:
+            self.close_step()
+        if self.open is None and self.pending is not None and self.group is None:
+            self._record_pending(stats.to_host(self.pending.update_parts))
 
     def _record_pending(self, host: np.ndarray) -> None:
         """Complete the previous sampled step with its update norms, judge its update, and record it."""

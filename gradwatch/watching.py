@@ -102,7 +102,9 @@ class Watcher:
             self._steps.it.observed.setdefault(name, []).append(value)
 
     def flush(self) -> None:
-        """Block until every step recorded so far is on disk (returns at once once closed)."""
+        """Block until every step trained so far is on disk (see ``Recording.settle`` for the latest one)."""
+        if not self.closed:
+            self._steps.settle()
         try:
             self._writer.flush()
         except WriterDied as exc:

@@ -297,7 +297,7 @@ def test_config_file_turns_it_on_and_names_itself_in_errors(tmp_path: Path) -> N
     loop(model, 3)
     gw.watcher(model).flush()
     samples = scrape(exporter_of("toml").url or "")
-    assert value(samples, "gradwatch_steps_total", run="toml") == 2  # the third step is still open
+    assert value(samples, "gradwatch_steps_total", run="toml") == 3  # flush wrote the third step too
     assert len(samples["gradwatch_layer_grad_norm"]) == 2
     gw.unwatch(model)
     bad = tmp_path / "bad.toml"

@@ -267,3 +267,45 @@ def test_a_finished_steps_gradients_are_freed_by_zero_grad(run_dir: Path, rules:
         gc.collect()
         assert all(ref() is None for ref in refs), f"step {step}: a gradient outlived zero_grad"
     gw.unwatch(model)
+
+
+def test_flush_writes_every_step_trained_so_far(run_dir: Path) -> None:
+    model = gw.watch(mlp(), run=run_dir, sample_every=4)
+    opt = train(model, data, nn.functional.mse_loss, steps=9)  # step 8 is sampled: its update norms pend
+    gw.watcher(model).flush()
+    run = gw.open_run(run_dir)
+    assert run.steps == 9, "the last step is on disk once its optimizer step has returned"
+    assert steps_with(run, "update_ratio") == [0, 4, 8]
+    # a flush between backward and optimizer.step(): that step is recorded later, as usual
+    x, y = data()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    gw.watcher(model).flush()
+    assert gw.open_run(run_dir).steps == 9
+    opt.step()
+    train(model, data, nn.functional.mse_loss, steps=3, optimizer=opt)
+    gw.unwatch(model)
+    run = gw.open_run(run_dir)
+    assert run.steps == 13
+    assert run.scalars().index.tolist() == list(range(13))
+    assert steps_with(run, "update_ratio") == [0, 4, 8, 12]
+
+
+def test_flush_between_two_optimizers_leaves_the_step_open(run_dir: Path) -> None:
+    model = gw.watch(mlp(), run=run_dir)
+    first = torch.optim.SGD(list(model[0].parameters()), lr=0.01)
+    rest = torch.optim.SGD([p for m in list(model)[1:] for p in m.parameters()], lr=0.01)
+    for _ in range(4):
+        x, y = data()
+        first.zero_grad()
+        rest.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        first.step()
+        gw.watcher(model).flush()  # the second optimizer has yet to step: the step stays open
+        rest.step()
+    gw.watcher(model).flush()
+    assert gw.open_run(run_dir).steps == 4
+    gw.unwatch(model)
+    run = gw.open_run(run_dir)
+    assert run.steps == 4
+    assert run.findings().empty
