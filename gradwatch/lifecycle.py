@@ -70,6 +70,7 @@ class Lifecycle(Recording):
                                      named=lambda names: writer.submit_meta(optimizers=names))
         self.open = self.pending = None
         self.stepping = None
+        self.sampled_also = set()
         self.current = None
         self.latest = {}
         self.since_snapshot = 0

@@ -71,6 +71,8 @@ class Recording:
     open: Open | None
     #: a closed sampled step waiting for its update norms (read with the next step's host read)
     pending: Open | None
+    #: steps sampled off the schedule (a hand-written loop's first measured step)
+    sampled_also: set[int]
     #: the optimizers that stepped in the latest closed step (None before one closed)
     stepping: frozenset[int] | None
     #: the step being judged
@@ -82,7 +84,7 @@ class Recording:
 
     def sampled(self, step: int) -> bool:
         """Whether ``step`` takes the costlier statistics (update ratios, activations)."""
-        return step % self.options.sample_period == 0
+        return step % self.options.sample_period == 0 or step in self.sampled_also
 
     def logged(self, step: int) -> bool:
         """Whether ``step``'s full per-layer rows are written."""
@@ -173,6 +175,7 @@ class Recording:
     def _by_hand(self, step: int, observed: obs.Observed) -> None:
         """The first iteration of a loop that updates the parameters by hand (no optimizer step)."""
         self.manual = True
+        self.sampled_also.add(step + 1)  # its first measured update: the update ratio at once, not steps later
         record = self.unmeasured(step, observed)
         record.skipped = False  # its update was applied, by hand; only its gradients were not measured
         log.info("gradwatch: no optimizer.step() seen on this model and no GradScaler: the loop updates the "
