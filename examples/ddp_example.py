@@ -41,8 +41,8 @@ def train(rank: int, world: int) -> None:
     gw.unwatch(model)
     if rank == 0:
         run = gw.open_run("runs/ddp")
-        print(run)
-        print(run.findings()[["step", "kind", "layer", "action", "message"]].to_string(index=False))
+        print(run, flush=True)
+        print(run.findings()[["step", "kind", "layer", "action", "message"]].to_string(index=False), flush=True)
     dist.barrier()  # every rank tears the group down together, not while another still reads or trains
     dist.destroy_process_group()
 
