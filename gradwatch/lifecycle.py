@@ -69,7 +69,7 @@ class Lifecycle(Recording):
         self.optimizers = Optimizers(found.params, grown=self.refresh_layout,
                                      named=lambda names: writer.submit_meta(optimizers=names))
         self.open = self.pending = None
-        self.stepping = None
+        self.one_closed = False
         self.sampled_also = set()
         self.current = None
         self.latest = {}

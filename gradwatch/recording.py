@@ -73,8 +73,8 @@ class Recording:
     pending: Open | None
     #: steps sampled off the schedule (a hand-written loop's first measured step)
     sampled_also: set[int]
-    #: the optimizers that stepped in the latest closed step (None before one closed)
-    stepping: frozenset[int] | None
+    #: a step has closed: which optimizers step together is known (see :meth:`settle`)
+    one_closed: bool
     #: the step being judged
     current: StepRecord | None
     latest: dict[str, float]
@@ -224,7 +224,7 @@ class Recording:
         """Close the open step: record it now, or with its update norms at the next host read."""
         step, self.open = self.open, None
         assert step is not None
-        self.stepping = frozenset(step.optimizers)
+        self.one_closed = True
         if self.manual and step.before and not step.skip:  # updated by hand since the step's moment
             trainable = [i for i, p in enumerate(self.found.params) if p.requires_grad]
             idx, parts = self.measure.update_norms(step.before, trainable)
@@ -251,11 +251,16 @@ class Recording:
         if not self.it.probe.in_watching_thread():  # a reader's thread: the training thread owns the step
             return
         step = self.open
-        if step is not None and not self.manual and self.stepping is not None and step.stepped >= step.optimizers \
-                and self.stepping | {id(opt) for opt in self.optimizers.all()} <= step.optimizers:
+        if step is not None and not self.manual and self.one_closed and step.stepped >= step.optimizers \
+                and {id(opt) for opt in self.optimizers.all()} <= step.optimizers:
             self.close_step()
         if self.open is None and self.pending is not None and self.group is None:
-            self._record_pending(stats.to_host(self.pending.update_parts))
+            self._record_pending_now()
+
+    def _record_pending_now(self) -> None:
+        """Complete the pending sampled step with a host read of its own (no next step will carry it)."""
+        assert self.pending is not None
+        self._record_pending(stats.to_host(self.pending.update_parts))
 
     def _record_pending(self, host: np.ndarray) -> None:
         """Complete the previous sampled step with its update norms, judge its update, and record it."""
@@ -283,7 +288,7 @@ class Recording:
             self.tracker.clear()
         self.it.close()
         if self.pending is not None:
-            self._record_pending(stats.to_host(self.pending.update_parts))
+            self._record_pending_now()
 
     def halt(self) -> None:
         """A rule halts training: the step being judged is recorded in full; nothing stays open."""
@@ -317,7 +322,7 @@ class Recording:
         if self.open is not None:
             self.close_step()
         if self.pending is not None:
-            self._record_pending(stats.to_host(self.pending.update_parts))
+            self._record_pending_now()
         self.it.probe.detach_activations()
         self.found, self.measure = found, Measure(found)
         self.optimizers.reindex(found.params)

@@ -48,14 +48,17 @@ def test_live_dashboard_serves_while_training(tmp_path: Path) -> None:
 
 
 def test_ddp_example_runs_as_written(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(EXAMPLES / "ddp_example.py")], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
-    # Twice in a full suite run (never in the test alone, nor in 37 runs of the script, 25 under load) a spawned rank
-    # aborted in gloo's C++ teardown ("terminate called without an active exception") after training.
-    # That one crash is let through when the run itself is complete: the assertions below still
-    # require all 60 steps, a finished run and the finding the two ranks agreed on.
-    teardown = "terminate called without an active exception" in result.stderr
-    assert result.returncode == 0 or teardown, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    def run_example() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(EXAMPLES / "ddp_example.py")], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    result = run_example()
+    # Twice in a full suite run (never in the test alone, nor in 37 runs of the script, 25 under load) a
+    # spawned rank aborted in gloo's C++ ("terminate called without an active exception"). That one crash
+    # earns one more run, which must exit cleanly: the run is overwritten and checked in full below.
+    if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
+        result = run_example()
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     run = gw.open_run(tmp_path / "runs" / "ddp")
     assert run.steps == 60 and run.status == "finished" and run.meta["world_size"] == 2
     found = run.findings()
