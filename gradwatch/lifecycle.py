@@ -280,7 +280,7 @@ class Lifecycle(Recording):
             self.tracker.clear()
         if self.group is not None:  # every rank judges the same findings: the same action everywhere
             if self.group.due(record.step):
-                findings += self.group.check_replicas(record.step, self.found.params, self.owners())
+                findings += self.group.check_replicas(record.step, self.found.params, self.found.layout.param_layers())
             findings = self.group.share(findings)
             if self.group.departed:  # gradwatch failed on some rank: every rank stops watching, now
                 raise GroupLeft(self.group.departed, self.group.size)

@@ -94,7 +94,7 @@ class Measure:
         self._bounded = bounded
         self._every = list(range(len(found.params)))
         #: FSDP2: the parameters (hence their gradients) are sharded ``DTensor``s
-        self._sharded = sharded(found.params)
+        self.sharded = sharded(found.params)
         #: CPU buffers for the weights' copies of sampled steps, by parameter index
         self._pool: dict[int, torch.Tensor] = {}
 
@@ -112,7 +112,7 @@ class Measure:
         grads = [g for g in maybe if g is not None]
         if len(grads) != len(maybe):
             gidx = [i for i, g in enumerate(maybe) if g is not None]
-        shards = self._sharded and sharded(grads)
+        shards = self.sharded and sharded(grads)
         if shards:  # FSDP: each rank measures its shards; the watcher combines them across ranks
             grads = [local(g) for g in grads]
         out = Launched(sampled, gidx, grads, parts=stats.stacked(stats.norms(grads)), sharded=shards)
@@ -128,7 +128,7 @@ class Measure:
     def _weights(self, idx: list[int]) -> list[torch.Tensor]:
         """The parameters at ``idx`` (this rank's shards when sharded)."""
         params = self.found.params
-        if self._sharded:
+        if self.sharded:
             return [local(params[i]) for i in idx]
         return [params[i] for i in idx]
 

@@ -116,8 +116,7 @@ class Recording:
         obs_parts = obs.device_parts(observed)
         scale = getattr(scaler, "_scale", None) if scaler is not None else None
         scale_parts = [scale] if isinstance(scale, torch.Tensor) else []
-        pending = self.pending.update_parts if self.pending is not None else []
-        host = stats.to_host([*obs_parts, *scale_parts, *pending])
+        host = stats.to_host([*obs_parts, *scale_parts, *self._pending_parts()])
         scalars = obs.scalars(observed, host[: len(obs_parts)])
         if scale_parts:
             scalars[AMP_SCALE] = float(host[len(obs_parts)])
@@ -244,9 +243,8 @@ class Recording:
         The step stays open while an optimizer that stepped before has not stepped in it yet
         (two optimizers: a flush between their steps), on the first step (which optimizers step
         together is known once a step has ended), and in a loop that updates by hand (the update
-        may still be to come). The update norms of a sampled step cost one host read here;
-        in a distributed run they wait for the next step's read (an FSDP shard's norms are combined
-        there, across ranks).
+        may still be to come). The update norms of a sampled step cost one host read here; in a
+        distributed run the next step's read carries them (FSDP shards' are combined there).
         """
         if not self.it.probe.in_watching_thread():  # a reader's thread: the training thread owns the step
             return
@@ -260,12 +258,22 @@ class Recording:
     def _record_pending_now(self) -> None:
         """Complete the pending sampled step with a host read of its own (no next step will carry it)."""
         assert self.pending is not None
-        self._record_pending(stats.to_host(self.pending.update_parts))
+        self._record_pending(stats.to_host(self._pending_parts()))
+
+    def _pending_parts(self) -> list[torch.Tensor]:
+        """Update norms of the pending step to read apart (none for FSDP shards': a step's read combines them)."""
+        sharded = self.group is not None and self.measure.sharded
+        return self.pending.update_parts if self.pending is not None and not sharded else []
 
     def _record_pending(self, host: np.ndarray) -> None:
-        """Complete the previous sampled step with its update norms, judge its update, and record it."""
+        """Complete the previous sampled step with its update norms (none in ``host``: see
+        :meth:`_pending_parts`), judge its update, and record it.
+        """
         pending, self.pending = self.pending, None
         assert pending is not None
+        if len(host) == 0 and pending.update_idx:
+            self.submit(pending.record)
+            return
         self.measure.update_ratios(pending.record.vectors, pending.update_idx, host)
         late = self.judge.check_late(pending.record)
         if late:
@@ -302,14 +310,6 @@ class Recording:
         """After an internal error: drop what is in flight (it cannot be trusted)."""
         self.open = self.pending = None
         self.it.carry = None
-
-    def owners(self) -> list[str | None]:
-        """The layer each parameter belongs to, in parameter order."""
-        layout = self.found.layout
-        owners: list[str | None] = [None] * len(layout.params)
-        for layer, param in layout.owners:
-            owners[param] = layout.layers[layer]
-        return owners
 
     def refresh_layout(self) -> None:
         """Re-discover the model's layers; a changed set gets a new layout version."""

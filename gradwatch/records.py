@@ -67,6 +67,13 @@ class Layout:
         """The first layer (in model order) that owns a parameter."""
         return next(self.layers[layer] for layer, p in self.owners if p == param)
 
+    def param_layers(self) -> list[str | None]:
+        """The layer each parameter belongs to, in parameter order (a tied one: its last owner)."""
+        out: list[str | None] = [None] * len(self.params)
+        for layer, param in self.owners:
+            out[param] = self.layers[layer]
+        return out
+
 
 @dataclass(slots=True)  # no __dict__: records are kept (writer queue, flight recorder) by the hundred
 class StepRecord:

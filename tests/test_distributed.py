@@ -38,7 +38,8 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         torch.manual_seed(0)  # the same initial weights on both ranks
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        if scenario == "fsdp":
+        fsdp = scenario.startswith("fsdp")
+        if fsdp:
             from torch.distributed.fsdp import fully_shard
 
             for layer in (model[0], model[2]):
@@ -49,6 +50,8 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
         options: dict[str, Any] = {"console": False}
         if scenario == "divergence":
             options.update(replica_check_every=4)
+        if scenario == "fsdp_last_sampled":  # sampled: steps 0 and the last, which no next step reads
+            options.update(sample_every=STEPS - 1)
         if scenario == "halt":
             options.update(rules=[gw.Rule(when="nonfinite", do="halt")])
         if scenario.startswith("fail") and rank == 1:
@@ -65,17 +68,22 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
             opt.zero_grad()
             loss.backward()
             gw.watcher(ddp).observe(loss=loss)
-            if scenario == "fsdp":  # the whole gradients' norms, gathered across the shards
+            if fsdp:  # the whole gradients' norms, gathered across the shards
                 full = {n: float(p.grad.full_tensor().norm()) for n, p in model.named_parameters()}
                 result.setdefault("full_norms", {})[str(step)] = full
+                whole = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
             before = model[0].weight.detach().clone()
             try:
                 opt.step()
             except gw.TrainingHalted as exc:
                 result["halted_at"] = exc.step
                 break
+            if fsdp:  # the whole update's ratio to the whole weights
+                result.setdefault("update_ratios", {})[str(step)] = {
+                    n: float((p.detach().full_tensor() - whole[n]).norm() / whole[n].norm())
+                    for n, p in model.named_parameters()}
             weights[step] = [float((model[0].weight.detach() - before).abs().max().full_tensor()
-                                   if scenario == "fsdp" else (model[0].weight.detach() - before).abs().max())]
+                                   if fsdp else (model[0].weight.detach() - before).abs().max())]
             if scenario == "divergence" and rank == 1 and step == 6:
                 with torch.no_grad():
                     model[2].bias.add_(1.0)  # a rank-dependent update outside DDP
@@ -84,7 +92,7 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
             result.update(detached=watcher.detached, watched_steps=watcher.step)
         gw.unwatch(ddp)
         result["changed"] = {str(k): v[0] for k, v in weights.items()}
-        result["weight_sum"] = float(sum((p.full_tensor() if scenario == "fsdp" else p).detach().double().sum()
+        result["weight_sum"] = float(sum((p.full_tensor() if fsdp else p).detach().double().sum()
                                          for p in model.parameters()))
         dist.barrier()
     except BaseException:
@@ -208,6 +216,23 @@ def test_fsdp_per_parameter_norms_are_the_whole_gradients(tmp_path: Path) -> Non
     for step in range(STEPS):  # the global norm of every step is the whole model's
         expected = sum(v ** 2 for v in full[str(step)].values()) ** 0.5
         assert global_norm[step] == pytest.approx(expected, rel=1e-5), step
+
+
+def test_fsdp_update_ratios_are_the_whole_models_or_left_out_at_the_last_step(tmp_path: Path) -> None:
+    """A sampled step's update norms are read with the next step's, combined across the shards;
+    the last step's have no next step, and one rank alone cannot combine them: left out, not a
+    shard's ratio."""
+    run, results = launch(tmp_path, "fsdp_last_sampled")
+    whole = results[0]["update_ratios"]
+    with gw.open_run(run) as stored:
+        assert stored.steps == STEPS and stored.findings().empty
+        ratios = stored.metrics("update_ratio", per_parameter=True, include_global=False)
+        last = next(r for r in stored.records() if r.step == STEPS - 1)
+    rows = ratios[ratios["layer"].str.contains(".", regex=False)]
+    first = rows[rows["step"] == 0]
+    assert dict(zip(first["layer"], first["value"])) == pytest.approx(whole["0"], rel=1e-4)
+    assert last.sampled and last.vector("param_norm") is not None
+    assert last.vector("update_ratio") is None
 
 
 @pytest.mark.parametrize(("scenario", "left_at"), [("fail_in_step", 5), ("fail_between_steps", 6)])
