@@ -32,21 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from gradwatch.activations import Collected, Reduced
-from gradwatch.layout import bounds
-
-
-def first_tensor(output: Any) -> torch.Tensor | None:
-    """The first floating-point tensor in a module output (tensor, tuple, list, dict, ModelOutput)."""
-    if isinstance(output, torch.Tensor):
-        return output if output.is_floating_point() else None
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            t = first_tensor(item)
-            if t is not None:
-                return t
-    return None
+from gradwatch.layout import bounds, first_tensor
 
 
 def unwatched(owner: Any, *args: Any) -> None:
@@ -148,6 +134,10 @@ class Probe:
         #: the activation statistics collected since attach (or the last take)
         self.collected = Collected()
         self._leaf_hooks: list[tuple[nn.Module, Hook]] = []
+        #: each leaf hook's key in its module's forward hooks (unique ids, as a handle's), and
+        #: whether they are in those dicts now (a sampled step's hooks are put there by key)
+        self._leaf_keys: list[int] = []
+        self._leaves_in = False
         #: the leaf hooks take statistics (they are registered only while they do, unless kept)
         self.collect = False
         #: the leaf hooks stay registered (a compiled model: :meth:`keep_activation_hooks`)
@@ -262,8 +252,11 @@ class Probe:
         self.collected.clear()
         if self._leaves is not leaves:
             self._make_hooks(leaves)
-        if not self._act_handles:
-            self._act_handles = [module.register_forward_hook(hook) for module, hook in self._leaf_hooks]
+        if not self._act_handles and not self._leaves_in:
+            # what ``register_forward_hook`` does, under keys made once: no handle to make per step
+            for (module, hook), key in zip(self._leaf_hooks, self._leaf_keys):
+                module._forward_hooks[key] = hook
+            self._leaves_in = True
         self.collect = True
 
     def keep_activation_hooks(self, leaves: list[tuple[int, nn.Module]]) -> None:
@@ -277,12 +270,20 @@ class Probe:
         self._act_handles = [module.register_forward_hook(hook) for module, hook in self._leaf_hooks]
 
     def _make_hooks(self, leaves: list[tuple[int, nn.Module]]) -> None:
-        for handle in self._act_handles:
-            handle.remove()
-        self._act_handles = []
+        self._remove_leaf_hooks()
         self._leaves = leaves
         self._leaf_hooks = [(module, Hook(functools.partial(self._activation, index, bounds(module))))
                             for index, module in leaves]
+        self._leaf_keys = [RemovableHandle(module._forward_hooks).id for module, _ in self._leaf_hooks]
+
+    def _remove_leaf_hooks(self) -> None:
+        for handle in self._act_handles:
+            handle.remove()
+        self._act_handles = []
+        if self._leaves_in:
+            for (module, _), key in zip(self._leaf_hooks, self._leaf_keys):
+                module._forward_hooks.pop(key, None)
+            self._leaves_in = False
 
     def _activation(self, index: int, limits: tuple[float, float] | None, module: nn.Module, args: Any,
                     output: Any) -> None:
@@ -306,11 +307,8 @@ class Probe:
         """Stop taking activation statistics: the leaf hooks are removed (switched off when kept)."""
         self.collect = False
         self.collected.clear()
-        if self.keep_hooks:
-            return
-        for handle in self._act_handles:
-            handle.remove()
-        self._act_handles = []
+        if not self.keep_hooks:
+            self._remove_leaf_hooks()
 
     def detach(self) -> None:
         """Remove every hook."""

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gradwatch.integrations._attach import Attachment, loss_scale
-from gradwatch.probe import first_tensor
+from gradwatch.layout import first_tensor
 from gradwatch.records import PRECLIP
 
 try:

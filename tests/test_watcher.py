@@ -309,3 +309,27 @@ def test_flush_between_two_optimizers_leaves_the_step_open(run_dir: Path) -> Non
     run = gw.open_run(run_dir)
     assert run.steps == 4
     assert run.findings().empty
+
+
+def test_leaf_hooks_are_in_place_on_sampled_steps_only_beside_the_users_own(run_dir: Path) -> None:
+    """The activation hooks go into the leaves' hook dicts for a sampled step and out after it;
+    a hook of the user's on the same leaf runs on every call and is the only one left."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    gw.watch(model, run=run_dir, console=False, sample_every=3)
+    calls: list[int] = []
+    user = model[0].register_forward_hook(lambda m, args, out: calls.append(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    in_place = {}
+    for step in range(7):
+        out = model(torch.randn(8, 4))
+        in_place[step] = (len(model[0]._forward_hooks), len(model[2]._forward_hooks))
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert in_place == {s: (2, 1) if s % 3 == 0 else (1, 0) for s in range(7)}
+    assert len(calls) == 7 and list(model[0]._forward_hooks) == [user.id]
+    gw.unwatch(model)
+    assert list(model[0]._forward_hooks) == [user.id] and not model[2]._forward_hooks
+    act = gw.open_run(run_dir).metrics("act_norm")
+    assert sorted(act.loc[act["layer"] == "2", "step"].unique()) == [0, 3, 6]

@@ -36,11 +36,12 @@ class UpdateRatio(Detector):
     low: float = 1e-8
     patience: int = 2
     patience_low: int = 3
-    _high: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
-    _low: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
+    _high: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False, repr=False)
+    _low: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False, repr=False)
+    _version: int = field(default=-1, init=False, repr=False)
 
     def check(self, record: StepRecord) -> list[Finding]:
-        """Count consecutive sampled steps out of range, per layer."""
+        """Count consecutive sampled steps out of range, per layer (a layer without a ratio keeps its count)."""
         ratio = record.vector("update_ratio")
         grad = record.vector("grad_norm")
         if record.skipped or ratio is None or grad is None:
@@ -50,20 +51,25 @@ class UpdateRatio(Detector):
             return []
         lr = record.scalars.get("lr")
         layout = record.layout
+        if layout.version != self._version:
+            self._version = layout.version
+            self._high, self._low = np.zeros(len(ratio), dtype=np.int64), np.zeros(len(ratio), dtype=np.int64)
+        seen = np.isfinite(ratio) & np.isfinite(grad)
+        high = seen & (ratio > self.high)
+        low = seen & (ratio > 0) & (ratio < self.low) & (grad > 0) & (lr != 0)  # exactly 0: unoptimized_parameter's
+        self._high = np.where(high, self._high + 1, np.where(seen, 0, self._high))
+        self._low = np.where(low, self._low + 1, np.where(seen, 0, self._low))
         out = []
-        for i in np.flatnonzero(np.isfinite(ratio) & np.isfinite(grad)):
-            key, r = (layout.version, int(i)), float(ratio[i])
-            high = r > self.high
-            low = 0 < r < self.low and grad[i] > 0 and lr != 0  # exactly 0: unoptimized_parameter's
-            self._high[key] = self._high.get(key, 0) + 1 if high else 0
-            self._low[key] = self._low.get(key, 0) + 1 if low else 0
-            name, type_ = layout.layers[i], layout.layer_types[i]
-            if self._high[key] == self.patience:
-                message = (f"update of {_layer(name, type_)} is {r:.3g}x its weights' norm at step {record.step}: "
-                           "too large.")
-                out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_HIGH}))
-            if self._low[key] == self.patience_low and not self.causes.named(LR_LOW, record.step):
-                message = (f"update of {_layer(name, type_)} is only {r:.3g}x its weights' norm at step "
-                           f"{record.step}, although it has a gradient: it does not learn.")
-                out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_LOW}))
+        for i in np.flatnonzero(high & (self._high == self.patience)):
+            name, type_, r = layout.layers[i], layout.layer_types[i], float(ratio[i])
+            message = (f"update of {_layer(name, type_)} is {r:.3g}x its weights' norm at step {record.step}: "
+                       "too large.")
+            out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_HIGH}))
+        if self.causes.named(LR_LOW, record.step):
+            return out
+        for i in np.flatnonzero(low & (self._low == self.patience_low)):
+            name, type_, r = layout.layers[i], layout.layer_types[i], float(ratio[i])
+            message = (f"update of {_layer(name, type_)} is only {r:.3g}x its weights' norm at step "
+                       f"{record.step}, although it has a gradient: it does not learn.")
+            out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_LOW}))
         return out

@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from gradwatch.probe import first_tensor
+from gradwatch.layout import first_tensor
 from gradwatch.rootcause.facts import g
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.state import LOW_PRECISION, Autocast, Rng, devices, finite, floats

@@ -8,8 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.layout import ROOT
-from gradwatch.probe import first_tensor
+from gradwatch.layout import ROOT, first_tensor
 from gradwatch.rootcause.capture import KEEP_GRADS, Capture
 from gradwatch.rootcause.state import finite
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from gradwatch.probe import first_tensor
+from gradwatch.layout import first_tensor
 from gradwatch.rootcause import facts
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.frames import Line, user_line

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from gradwatch.probe import first_tensor
+from gradwatch.layout import first_tensor
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.samples import batch_dim, blamed, concentrated
 from gradwatch.rootcause.state import Rng
