@@ -29,6 +29,7 @@ from gradwatch.options import Options
 from gradwatch.origin import Tracker
 from gradwatch.recording import Open, Recording
 from gradwatch.records import AMP_SCALE, CLOSURE_EVALUATIONS, StepRecord
+from gradwatch.relayout import Looks
 from gradwatch.snapshots import Snapshots, rng_state
 from gradwatch.writer import Writer
 
@@ -71,6 +72,7 @@ class Lifecycle(Recording):
         self.open = self.pending = None
         self.one_closed = False
         self.sampled_also = set()
+        self.looks = Looks(options.sample_period)
         self.current = None
         self.latest = {}
         self.since_snapshot = 0
@@ -166,6 +168,8 @@ class Lifecycle(Recording):
 
     def _begin(self, opt: torch.optim.Optimizer | None, scaled: bool) -> Open | None:
         """The story of one step, up to the optimizer's update; None when the GradScaler drops it."""
+        if self.looks.due(self.measure.missing, self.step):         # the model changed? (gradwatch.relayout)
+            self.refresh_layout()
         step, now = self._count()                                   # open
         if self.leave_out:                                          # branch: an integration leaves it out
             return self._left_out(step, opt)

@@ -95,6 +95,8 @@ class Measure:
         self._every = list(range(len(found.params)))
         #: FSDP2: the parameters (hence their gradients) are sharded ``DTensor``s
         self.sharded = sharded(found.params)
+        #: the parameters without a gradient at the latest launch (by index)
+        self.missing: tuple[int, ...] = ()
         #: CPU buffers for the weights' copies of sampled steps, by parameter index
         self._pool: dict[int, torch.Tensor] = {}
 
@@ -110,8 +112,10 @@ class Measure:
         maybe = [p.grad for p in params]
         gidx = self._every
         grads = [g for g in maybe if g is not None]
+        self.missing = ()
         if len(grads) != len(maybe):
             gidx = [i for i, g in enumerate(maybe) if g is not None]
+            self.missing = tuple(i for i, g in enumerate(maybe) if g is None)
         shards = self.sharded and sharded(grads)
         if shards:  # FSDP: each rank measures its shards; the watcher combines them across ranks
             grads = [local(g) for g in grads]

@@ -21,12 +21,13 @@ from gradwatch import stats
 from gradwatch.control import LoopControl
 from gradwatch.iteration import Iteration, guarded
 from gradwatch.judge import Judge
-from gradwatch.layout import Discovered, discover
+from gradwatch.layout import Discovered
 from gradwatch.measure import Measure
 from gradwatch.optimizers import Optimizers
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
 from gradwatch.records import AMP_SCALE, StepRecord
+from gradwatch.relayout import rediscovered
 from gradwatch.snapshots import Snapshots
 from gradwatch.writer import Writer
 
@@ -312,12 +313,12 @@ class Recording:
         self.it.carry = None
 
     def refresh_layout(self) -> None:
-        """Re-discover the model's layers; a changed set gets a new layout version."""
+        """Re-discover the model's layers; a changed layout (:func:`rediscovered`) gets a new version."""
         model = self._model()
         if model is None:
             return
-        found = discover(model, version=self.found.layout.version + 1)
-        if (found.layout.layers, found.layout.params) == (self.found.layout.layers, self.found.layout.params):
+        found = rediscovered(model, self.found)
+        if found is None:
             return
         if self.open is not None:
             self.close_step()
