@@ -100,6 +100,10 @@ class Iteration:
                            on_step_post=on_step_post, on_backward_start=self.backward_started,
                            on_backward_end=self.backward_done,
                            on_output=tracker.output if tracker is not None else None)
+        #: since the last backward pass, an optimizer holding none of this model's parameters stepped (a
+        #: GAN's generator, whose loss reached the watched discriminator): if its gradients are then
+        #: dropped, that iteration belonged to the other model's step, not to a step of this one
+        self.served = False
         #: a backward pass has begun and its end is not reached yet (its start is told once)
         self.began = False
         self._activations = options.activations
@@ -166,8 +170,10 @@ class Iteration:
         self.began = True
         if self.backward is not None:
             dropped = self.gradients_dropped()
-            self.backward = None
-            if dropped:  # the previous iteration's gradients were dropped without an optimizer step
+            self.backward, served, self.served = None, self.served, False
+            if dropped and served:  # another model's step (a GAN's generator's): no step of this model
+                self.carry = None
+            elif dropped:  # the previous iteration's gradients were dropped without an optimizer step
                 carry, self.carry = self.carry, None
                 steps.dropped(carry[0] if carry else {}, ongoing=True)
             else:
@@ -212,7 +218,7 @@ class Iteration:
     def stepped(self) -> None:
         """An optimizer step opens: the iterations since the last one are its micro-batches."""
         self.probe.quiet = False  # the next forward call closes the step
-        self.backward = None
+        self.backward, self.served = None, False
         self.merge_carry()
 
     def aside(self, closure: Callable[[], Any]) -> Any:
@@ -226,6 +232,6 @@ class Iteration:
 
     def close(self) -> None:
         """The run closes: a last iteration whose gradients were dropped is recorded as a step."""
-        if self.backward is not None and self.gradients_dropped():
+        if self.backward is not None and not self.served and self.gradients_dropped():
             carry, self.carry = self.carry, None
             self._steps.dropped(carry[0] if carry else self.observed, ongoing=False)

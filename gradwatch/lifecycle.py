@@ -128,7 +128,8 @@ class Lifecycle(Recording):
     def step_at(self, opt: torch.optim.Optimizer, scaled: bool) -> None:
         """The gradients ``opt`` is about to apply are final: open the step, or join the open one."""
         entry = None if self.closed else self.optimizers.entry(opt)
-        if entry is None:
+        if entry is None:  # another model's optimizer: did it step on a backward pass through this one?
+            self.it.served = self.it.served or (self.it.backward is not None and bool(self.optimizers.all()))
             return
         if self.open is not None and id(opt) in self.open.optimizers:
             self.close_step()  # the same optimizer steps again: a new iteration without a forward

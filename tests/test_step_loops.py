@@ -154,6 +154,49 @@ def test_an_optimizer_loop_that_drops_gradients_claims_no_gradscaler(tmp_path: P
         assert list(run.records())[3].skipped
 
 
+def _gan(tmp_path: Path, iterations: int, *, nan_at: int | None = None) -> tuple[gw.Run, gw.Run]:
+    """The DCGAN loop: a discriminator step on real and detached fake samples, then a generator step
+    whose loss goes back through the discriminator, whose gradients from it the next iteration zeroes."""
+    torch.manual_seed(0)
+    G = gw.watch(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)), run=tmp_path / "G", console=False)
+    D = gw.watch(nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1)), run=tmp_path / "D",
+                 console=False)
+    opt_d = torch.optim.Adam(D.parameters(), 2e-4, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(G.parameters(), 2e-4, betas=(0.5, 0.999))
+    bce = nn.BCEWithLogitsLoss()
+    for it in range(iterations):
+        real = torch.randn(32, 2) + 3
+        if it == nan_at:
+            real[5, 0] = float("nan")
+        D.zero_grad()
+        fake = G(torch.randn(32, 4))
+        loss_d = bce(D(real), torch.ones(32, 1)) + bce(D(fake.detach()), torch.zeros(32, 1))
+        loss_d.backward()
+        opt_d.step()
+        G.zero_grad()
+        bce(D(fake), torch.ones(32, 1)).backward()
+        opt_g.step()
+    gw.unwatch(G)
+    gw.unwatch(D)
+    return gw.open_run(tmp_path / "G"), gw.open_run(tmp_path / "D")
+
+
+def test_a_gan_discriminator_counts_its_own_steps_only(tmp_path: Path) -> None:
+    """The generator's backward pass through the discriminator leaves it gradients that the next
+    iteration zeroes: that belonged to the generator's step, not to a dropped step of the discriminator."""
+    gen, disc = _gan(tmp_path, 25)
+    for run in (gen, disc):
+        assert run.steps == 25 and not run.step_info()["skipped"].any()
+        assert run.findings().empty
+
+
+def test_a_nan_in_a_gan_discriminator_step_is_found_at_that_iteration(tmp_path: Path) -> None:
+    _, disc = _gan(tmp_path, 20, nan_at=12)
+    found = disc.findings()
+    assert found[["step", "kind"]].values.tolist()[0] == [12, "nonfinite"]
+    assert "input batch" in found.iloc[0]["message"]
+
+
 # ------------------------------------------------------------------ copies
 def _trained_watched(tmp_path: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = gw.watch(_mlp(), run=tmp_path / "run", console=False)
