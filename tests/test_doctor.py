@@ -231,6 +231,31 @@ def test_huge_negative_bias_before_relu_gives_dead_units() -> None:
     assert "bias" in acts.suggestion and "LeakyReLU" in acts.suggestion
 
 
+def test_a_functional_relu_killed_by_a_negative_bias_cuts_the_gradient_to_the_layers_before() -> None:
+    """The ReLUs are ``F.relu`` (not modules: the activations check cannot see them): the layers before
+    the dead one get a gradient of exactly 0, most of the model, so the median layer's is 0 too."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2, self.fc3, self.out = (nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32),
+                                                      nn.Linear(32, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            relu = nn.functional.relu
+            return self.out(relu(self.fc3(relu(self.fc2(relu(self.fc1(x)))))))
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.fc3.bias.fill_(-50.0)
+    flow = by_name(diagnose(model, batch(), ce, skip=NO_OVERFIT))["gradient_flow"]
+    assert flow.status == "warn"
+    assert flow.data["zero"] == ["fc1", "fc2", "fc3"] and flow.data["vanishing"] == ["fc1", "fc2", "fc3"]
+    assert flow.evidence.startswith("vanishing: 3 layers with a gradient of exactly 0 while others have one")
+    assert "bias" in flow.suggestion and "LeakyReLU" in flow.suggestion
+
+
 def test_oversized_weights_saturate_tanh() -> None:
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
     with torch.no_grad():

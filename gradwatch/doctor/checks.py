@@ -118,6 +118,10 @@ def _flow_findings(layers: list[tuple[str, float, float, bool]], total: float,
     median = statistics.median(r for _, r in rms)
     vanishing = {layer for layer, r in rms if median > 0 and r < opts.vanishing_ratio * median}
     positive = [(i, r) for i, (_, r) in enumerate(rms) if r > 0]
+    # a gradient of exactly zero where other layers have one: the path to them is cut (dead units
+    # of a functional ReLU), whatever the median (half the layers or more at zero make it 0)
+    zero = [layer for layer, r in rms if r == 0] if positive else []
+    vanishing |= set(zero)
     i_min, smallest = min(positive, key=lambda x: x[1], default=(0, 1.0))
     i_max, largest = max(positive, key=lambda x: x[1], default=(0, 1.0))
     spread = largest / smallest
@@ -125,17 +129,22 @@ def _flow_findings(layers: list[tuple[str, float, float, bool]], total: float,
     if shrinking:
         vanishing |= {layer for layer, r in rms if r < largest / opts.spread_ratio}
     findings: dict[str, Any] = {
-        "median_rms": median, "largest_rms": largest, "spread": spread, "shrinking": shrinking,
+        "median_rms": median, "largest_rms": largest, "spread": spread, "shrinking": shrinking, "zero": zero,
         "vanishing": [layer for layer, _ in rms if layer in vanishing],
         "exploding": total > opts.exploding_norm or (spread > opts.spread_ratio and not shrinking),
     }
-    hints = (["vanishing"] if vanishing else []) + (["exploding"] if findings["exploding"] else [])
+    hints = (["dead"] if zero else []) + (["vanishing"] if vanishing - set(zero) else []) \
+        + (["exploding"] if findings["exploding"] else [])
     return findings, hints
 
 
 def _flow_sentences(findings: dict[str, Any], total: float, opts: DoctorOptions) -> list[str]:
     out = []
-    names = findings["vanishing"]
+    zero = findings.get("zero", [])
+    if zero:
+        out.append(f"vanishing: {plural(len(zero), 'layer')} with a gradient of exactly 0 while others have "
+                   f"one (a path cut by dead units?): {_names([_layer(n) for n in zero])}")
+    names = [n for n in findings["vanishing"] if n not in zero]
     if names:
         rule = f"RMS < {opts.vanishing_ratio:g} x the median layer's ({findings['median_rms']:.3g})"
         if findings["shrinking"]:
