@@ -201,3 +201,28 @@ def test_a_loop_that_clips_itself_passes_the_preclip_norm_for_exploding(run_dir:
     assert (60, "exploding") in kinds
     assert "before clipping" in found[(found.step == 60) & (found.kind == "exploding")]["message"].iloc[0]
     assert (60, "loss_spike") in kinds
+
+
+def test_a_layers_explosion_carries_that_layers_norm_and_typical_value() -> None:
+    """A layer's gradient norm jumps 100x while the global norm stays as it was: the finding's data
+    holds the layer's norm and its typical value (with the global norm beside them)."""
+    import numpy as np
+
+    from gradwatch.detectors.exploding import Exploding
+    from gradwatch.records import LAYER, Layout, StepRecord
+
+    layout = Layout(version=1, layers=("a", "b"), layer_types=("Linear", "Linear"), layer_numel=(4, 4),
+                    params=("a.weight", "b.weight"), param_numel=(4, 4), owners=((0, 0), (1, 1)), leaves=(0, 1),
+                    trainable=(True, True))
+    detector = Exploding()
+
+    def record(step: int, b: float) -> StepRecord:
+        return StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": 1.0 + 0.01 * (step % 3)},
+                          vectors={(LAYER, "grad_norm"): np.array([1.0 + 0.01 * (step % 2), b], dtype=np.float32)})
+
+    assert not [f for step in range(30) for f in detector.check(record(step, 0.01 * (1 + 0.02 * (step % 4))))]
+    (found,) = detector.check(record(30, 2.0))
+    assert (found.kind, found.layer, found.step) == ("exploding", "b", 30)
+    assert found.data["grad_norm"] == pytest.approx(2.0)
+    assert found.data["typical"] == pytest.approx(0.0102, rel=0.02)
+    assert found.data["global_grad_norm"] == pytest.approx(1.0)

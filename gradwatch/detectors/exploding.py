@@ -172,7 +172,10 @@ class Exploding(Detector):
             message = (f"gradient norm of {_layer(layer, layout.layer_types[top])} is {norms[top]:.3g} at step "
                        f"{record.step}, {math.exp(l_excess[top]):.3g}x its typical {math.exp(center[top]):.3g}.")
             value = float(norms[top])
-        data = {"grad_norm": total, "typical": typical, "limit": self.limit if over else None,
+        # the norm judged and its typical value: the global ones, or (a layer's explosion) the layer's
+        judged = {"grad_norm": total, "typical": typical} if bad else \
+            {"grad_norm": value, "typical": math.exp(center[top]), "global_grad_norm": total}
+        data = {**judged, "limit": self.limit if over else None,
                 "layers": [layout.layers[i] for i in flagged[np.argsort(-l_excess[flagged])]][:20], "hint": HINT}
         if self.causes.named(LR_HIGH, record.step):  # still acted on (clipped), but known to follow from it
             data["cause"] = "learning_rate"
