@@ -38,6 +38,7 @@ from gradwatch.rootcause import pergrad, words
 from gradwatch.rootcause.capture import KEEP_GRAD_NUMEL, KEEP_GRADS, MAX_CAPTURES, SMALL_OUTPUT, Capture, checked_ids
 from gradwatch.rootcause.diagnose import diagnose, not_reproducible, reference_norms
 from gradwatch.rootcause.locate import Located, locate
+from gradwatch.rootcause.samples import describe
 from gradwatch.rootcause.state import Autocast, Rng, devices, finite, preserved, tensors
 
 __all__ = ["Capture", "Tracker", "finite", "tensors"]
@@ -201,20 +202,32 @@ class Tracker:
         origin["replay_ms"] = round((time.perf_counter() - start) * 1000, 1)
         return origin
 
+    def _in_step(self, origin: dict[str, Any], k: int) -> dict[str, Any]:
+        """Blamed samples of the step's ``k``-th forward call, counted over the step's calls in order
+        (micro-batches), with ``call``: that call's place in the step (when it had several).
+        """
+        samples = origin.get("samples")
+        if samples and len(self.captures) > 1:
+            offset = sum(c.batch or 0 for c in self.captures[:k])
+            samples.update(indices=[offset + i for i in samples["indices"]], call=k,
+                           values=describe(self.captures[k], samples["indices"], offset),
+                           batch=sum(c.batch or 0 for c in self.captures))
+        return origin
+
     def _find(self, model: nn.Module, loss_finite: bool) -> dict[str, Any]:
         # a call whose replay stays finite while the loss is not says "the loss function": with several
         # calls in the step (a rollout, micro-batches) a later call may still reproduce it, so that verdict
         # waits until every captured call was replayed
-        loss: tuple[Capture, Located] | None = None
-        for cap in self.captures:
+        loss: tuple[int, Located] | None = None
+        for k, cap in enumerate(self.captures):
             self.rng.set(cap.rng)
             located = locate(model, cap, loss_finite)
             if located is None:
                 continue
             if located.source == "loss":
-                loss = loss or (cap, located)
+                loss = loss or (k, located)
                 continue
-            return diagnose(model, cap, located, self.rng, self.reference)
+            return self._in_step(diagnose(model, cap, located, self.rng, self.reference), k)
         if self.uncaptured:  # the NaN/Inf may have been born in a call that was not kept
             return {"how": "attributed", "root_cause": {"cause": None, "cause_detail": (
                 f"the replays of the step's first {len(self.captures)} forward calls stayed finite; it had "
@@ -222,8 +235,8 @@ class Tracker:
                 "NaN/Inf was born in one of them, or in the loss function")},
                 "note": "not reproduced by the kept forward calls: the layer is the latest with a NaN/Inf gradient"}
         if loss is not None:
-            self.rng.set(loss[0].rng)
-            return diagnose(model, loss[0], loss[1], self.rng, self.reference)
+            self.rng.set(self.captures[loss[0]].rng)
+            return self._in_step(diagnose(model, self.captures[loss[0]], loss[1], self.rng, self.reference), loss[0])
         own = any(cap.output is not None and not finite(cap.output) for cap in self.captures)
         return not_reproducible(len(self.captures), "output" if own else "gradients")
 

@@ -287,6 +287,30 @@ def test_one_sample_holding_nan_is_data_with_its_index_and_id(run_dir: Path) -> 
     assert "samples to blame: sample 5 (id 'img-3-5')" in row.message
 
 
+def test_a_nan_sample_in_a_later_micro_batch_is_counted_across_the_step(run_dir: Path) -> None:
+    """Gradient accumulation over 4 micro-batches of 8: a NaN in sample 2 of the third is sample 18
+    of the step, in forward call 3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(4):
+        opt.zero_grad()
+        for micro in range(4):
+            x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+            if (step, micro) == (2, 2):
+                x[2, 1] = float("nan")
+            (F.mse_loss(model(x), y) / 4).backward()
+        opt.step()
+    gw.unwatch(model)
+    row = only_nonfinite(gw.open_run(run_dir).findings())
+    samples = row.data["samples"]
+    assert (row.step, samples["indices"], samples["call"], samples["batch"]) == (2, [18], 2, 32)
+    assert samples["values"][0].startswith("sample 18: 4 values, 1 NaN")
+    assert "samples to blame: sample 18 (forward call 3 of the step; samples counted across its calls)" in row.message
+
+
 @pytest.mark.parametrize(("value", "stands_out"), [
     (1e6, "reach 1e+06, 7.66e+05x the batch's typical largest value (1.31)"),
     (200.0, "reach 200, 153x the batch's typical largest value (1.31) (in float64 they would stay finite)"),

@@ -100,8 +100,10 @@ def outliers(cap: Capture, indices: list[int]) -> str | None:
     return f"their inputs reach {g(worst)}, {g(worst / typical)}x the batch's typical largest value ({g(typical)})"
 
 
-def describe(cap: Capture, indices: list[int]) -> list[str]:
-    """A summary of each blamed sample's input values (first :data:`DESCRIBED`)."""
+def describe(cap: Capture, indices: list[int], offset: int = 0) -> list[str]:
+    """A summary of each blamed sample's input values (first :data:`DESCRIBED`), each named by its
+    index plus ``offset`` (micro-batches counted in order).
+    """
     rows = _input(cap, numbers=True)
     if rows is None:
         return []
@@ -113,7 +115,7 @@ def describe(cap: Capture, indices: list[int]) -> list[str]:
             r = rows[i].double()
             nan, inf = int(torch.isnan(r).sum()), int(torch.isinf(r).sum())
             fin = r[torch.isfinite(r)]
-            text = f"sample {i}"
+            text = f"sample {offset + i}"
             ids = cap.sample_ids([i])
             if ids is not None:
                 text += f" (id {ids[0]!r})"
@@ -131,7 +133,7 @@ def blamed(cap: Capture, indices: list[int], how: str, *, offset: int = 0, **ext
     and a summary of their values. ``offset`` shifts indices when micro-batches are counted in order.
     """
     out: dict[str, Any] = {"indices": [offset + i for i in indices], "ids": cap.sample_ids(indices),
-                           "batch": cap.batch, "how": how, "values": describe(cap, indices)}
+                           "batch": cap.batch, "how": how, "values": describe(cap, indices, offset)}
     out.update(extra)
     return out
 

@@ -33,6 +33,8 @@ def samples_phrase(samples: dict[str, Any] | None) -> str | None:
     ids = samples.get("ids")
     if ids and any(i is not None for i in ids):
         text += f" (id{'s' if len(ids) > 1 else ''} {_listed(ids)})"
+    if samples.get("call") is not None:
+        text += f" (forward call {samples['call'] + 1} of the step; samples counted across its calls)"
     return text
 
 
