@@ -234,6 +234,25 @@ def test_model_cause_names_the_weights_that_grew(run_dir: Path) -> None:
     assert "weights that grew: '0.weight' x" in row.message
 
 
+def test_a_parameter_that_started_at_zero_is_not_named_as_grown_by_its_learning() -> None:
+    """A bias initialised at zero that learned ordinary values is no diverged weight (a ratio to zero
+    says nothing); a weight that grew 10x is, and so is a zero-started one that is no longer finite."""
+    from gradwatch.rootcause.cause import grown
+    from gradwatch.rootcause.diagnose import reference_norms
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    nn.init.zeros_(model[2].bias)
+    reference = reference_norms(model)
+    with torch.no_grad():
+        model[1].bias.add_(0.05)  # learned: norm 0 -> 0.4, "x5" of a floor of 0.08
+        model[0].weight.mul_(10.0)
+    assert [d["param"] for d in grown(model, reference)] == ["0.weight"]
+    with torch.no_grad():
+        model[2].bias[0] = float("inf")
+    assert [d["param"] for d in grown(model, reference)] == ["2.bias", "0.weight"]
+
+
 def test_capture_tells_inputs_changed_in_place_and_keeps_no_version_for_inference_tensors() -> None:
     from gradwatch.rootcause.capture import Capture, versions
     from gradwatch.rootcause.state import Autocast

@@ -83,8 +83,9 @@ def replay_wider(module: nn.Module, call: dict[str, Any], located: Located, rng:
 def grown(model: nn.Module, reference: dict[str, float]) -> list[dict[str, Any]]:
     """The parameters whose norm grew by more than :data:`GREW` times since ``reference`` was taken.
 
-    Growth is measured from at least an RMS of :data:`FLOOR` per element, so that a bias that
-    starts at zero and learns small values is not "grown".
+    A parameter that started below an RMS of :data:`FLOOR` per element (a bias or a projection
+    initialised at zero) is named only when it is no longer finite: any learning grows it from zero,
+    and a ratio to zero says nothing.
     """
     named = [(n, p) for n, p in model.named_parameters() if n in reference and p.numel()]
     if not named:
@@ -96,9 +97,9 @@ def grown(model: nn.Module, reference: dict[str, float]) -> list[dict[str, Any]]
         return []
     out = []
     for (name, p), value in zip(named, now):
-        before = reference[name]
-        ratio = value / max(before, FLOOR * math.sqrt(p.numel()))
-        if ratio > GREW or not math.isfinite(value):
+        before, floor = reference[name], FLOOR * math.sqrt(p.numel())
+        ratio = value / max(before, floor)
+        if (ratio > GREW and before >= floor) or not math.isfinite(value):
             out.append({"param": name, "from": before, "to": value, "ratio": ratio})
     out.sort(key=lambda d: -d["ratio"] if d["ratio"] == d["ratio"] else float("-inf"))
     return out[:NAMED]
