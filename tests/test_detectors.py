@@ -226,3 +226,29 @@ def test_a_layers_explosion_carries_that_layers_norm_and_typical_value() -> None
     assert found.data["grad_norm"] == pytest.approx(2.0)
     assert found.data["typical"] == pytest.approx(0.0102, rel=0.02)
     assert found.data["global_grad_norm"] == pytest.approx(1.0)
+
+
+def test_a_long_cut_in_the_graph_lists_the_layers_nearest_it_and_the_first() -> None:
+    """22 layers behind a cut get exactly zero: one finding at the last of them, whose data counts them
+    all and lists the nearest 19 and the first (the input end)."""
+    import numpy as np
+
+    from gradwatch.detectors.vanishing import Vanishing
+    from gradwatch.records import LAYER, PARAM, Layout, StepRecord
+
+    n = 25
+    names = tuple(f"l{i}" for i in range(n))
+    layout = Layout(version=1, layers=names, layer_types=("Linear",) * n, layer_numel=(4,) * n,
+                    params=tuple(f"{x}.weight" for x in names), param_numel=(4,) * n,
+                    owners=tuple((i, i) for i in range(n)), leaves=tuple(range(n)), trainable=(True,) * n)
+    norms = np.array([0.0] * 22 + [1.0, 1.2, 0.9], dtype=np.float32)
+    detector = Vanishing()
+    found = []
+    for step in range(12):
+        found += detector.check(StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": 1.8}, vectors={
+            (LAYER, "grad_norm"): norms, (LAYER, "grad_nonfinite"): np.zeros(n, dtype=np.float32),
+            (PARAM, "grad_nonfinite"): np.zeros(n, dtype=np.float32)}))
+    (finding,) = found
+    assert (finding.layer, finding.data["count"]) == ("l21", 22)
+    assert finding.data["layers"] == [f"l{i}" for i in range(21, 2, -1)] + ["l0"]
+    assert "(and 21 layers before it)" in finding.message

@@ -289,6 +289,25 @@ def test_nan_born_in_the_loss_names_the_samples_of_its_gradient(run_dir: Path) -
                                   "(born in the loss) at step 2; samples to blame: sample 3; ")
 
 
+def test_a_nan_in_every_row_blames_the_batch_not_a_list_of_all_its_samples(run_dir: Path) -> None:
+    """A loss whose gradient is NaN in every row (sqrt of 0 for all: a GAN's minibatch-std of a collapsed
+    batch) is not a few bad samples: the message says so instead of listing them all."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        out = model(torch.rand(8, 4))
+        y = out.detach().clone() if step == 2 else torch.randn(8, 1)
+        loss = (out - y).abs().sqrt().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    gw.unwatch(model)
+    row = gw.open_run(run_dir).findings().iloc[0]
+    assert (row.step, row.kind) == (2, "nonfinite") and row.data["samples"]["indices"] == list(range(8))
+    assert "samples to blame: every sample of the batch (8): not a few bad samples" in row.message
+
+
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
 def test_a_large_output_gradient_is_reduced_to_a_finiteness_flag(bad: float | None) -> None:
     """Beyond KEEP_GRAD_NUMEL elements the step's output gradient is not kept, only whether it was finite."""

@@ -112,7 +112,9 @@ class Vanishing(Detector):
                        f"{plural(self.patience, 'step')} while the median layer's RMS is {median:.3g}: no gradient "
                        "flows back past it.")
             out.append(self.finding(record, "warning", name, message, value=0.0,
-                                    data={"rms": 0.0, "median_rms": median, "layers": names[::-1][:20],
+                                    data={"rms": 0.0, "median_rms": median, "count": len(names),
+                                          # from the cut backwards: the nearest 19 and the first (the input end)
+                                          "layers": names[::-1] if len(names) <= 20 else [*names[:-20:-1], names[0]],
                                           "hint": HINT_ZERO}))
         for i in due[rms[due] > 0]:
             name, ratio = layout.layers[i], rms[i] / median

@@ -29,6 +29,9 @@ def samples_phrase(samples: dict[str, Any] | None) -> str | None:
     if not samples or not samples.get("indices"):
         return None
     indices = samples["indices"]
+    batch = samples.get("batch")
+    if isinstance(batch, int) and batch > 1 and len(indices) == batch:
+        return f"every sample of the batch ({batch}): not a few bad samples"
     text = f"sample{'s' if len(indices) > 1 else ''} {_listed(indices)}"
     ids = samples.get("ids")
     if ids and any(i is not None for i in ids):
