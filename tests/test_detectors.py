@@ -199,7 +199,9 @@ def test_a_loop_that_clips_itself_passes_the_preclip_norm_for_exploding(run_dir:
         found = run.findings()
         kinds = [(r.step, r.kind) for r in found.itertuples()]
     assert (60, "exploding") in kinds
-    assert "before clipping" in found[(found.step == 60) & (found.kind == "exploding")]["message"].iloc[0]
+    explosion = found[(found.step == 60) & (found.kind == "exploding")].iloc[0]
+    assert "before clipping" in explosion["message"]
+    assert explosion["data"]["hint"].startswith("the loop already clips")  # not "add a clip rule"
     assert (60, "loss_spike") in kinds
 
 

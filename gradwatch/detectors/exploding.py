@@ -21,6 +21,11 @@ HINT = (
     "clip gradients (gw.Rule(when='exploding', do='clip')), lower the learning rate or add warmup, "
     "and check the initialisation scale of the layer named"
 )
+#: the loop clips its gradients itself (the step carries the norm before clipping)
+HINT_CLIPPED = (
+    "the loop already clips, which bounds the update but not the cause: lower the learning rate or add "
+    "warmup, and check the initialisation scale of the layer named and the batch's samples"
+)
 HINT_OVERFLOW = (
     "values this large come from an unbounded op (exp of a log-variance, a division by a tiny number, "
     "unnormalised inputs or targets): bound it (clamp, normalise) and lower the learning rate; clipping "
@@ -176,7 +181,8 @@ class Exploding(Detector):
         judged = {"grad_norm": total, "typical": typical} if bad else \
             {"grad_norm": value, "typical": math.exp(center[top]), "global_grad_norm": total}
         data = {**judged, "limit": self.limit if over else None,
-                "layers": [layout.layers[i] for i in flagged[np.argsort(-l_excess[flagged])]][:20], "hint": HINT}
+                "layers": [layout.layers[i] for i in flagged[np.argsort(-l_excess[flagged])]][:20],
+                "hint": HINT_CLIPPED if PRECLIP in record.scalars else HINT}
         if self.causes.named(LR_HIGH, record.step):  # still acted on (clipped), but known to follow from it
             data["cause"] = "learning_rate"
             message += " The learning rate was named too high before: lower it."
