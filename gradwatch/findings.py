@@ -23,6 +23,7 @@ KINDS = (
     "learning_rate",
     "zero_gradient",
     "unoptimized_parameter",
+    "stale_gradient",
 )
 
 

@@ -104,6 +104,13 @@ class Iteration:
         #: GAN's generator, whose loss reached the watched discriminator): if its gradients are then
         #: dropped, that iteration belonged to the other model's step, not to a step of this one
         self.served = False
+        #: (parameter index, its gradient's id and version) when the last step opened, of a parameter
+        #: the step's optimizer holds, until the next backward pass begins: still that tensor,
+        #: unchanged, then means nothing cleared it between the steps
+        self.at_step: tuple[int, int, int] | None = None
+        self.uncleared = False  # this step's gradients were added to the previous step's
+        #: steps in a row whose gradients held the previous step's (``records.GRAD_STALE``)
+        self.stale = 0
         #: a backward pass has begun and its end is not reached yet (its start is told once)
         self.began = False
         self._activations = options.activations
@@ -171,6 +178,7 @@ class Iteration:
         if self.backward is not None:
             dropped = self.gradients_dropped()
             self.backward, served, self.served = None, self.served, False
+            self.uncleared = self.uncleared and not dropped
             if dropped and served:  # another model's step (a GAN's generator's): no step of this model
                 self.carry = None
             elif dropped:  # the previous iteration's gradients were dropped without an optimizer step
@@ -178,6 +186,10 @@ class Iteration:
                 steps.dropped(carry[0] if carry else {}, ongoing=True)
             else:
                 self.merge_carry()
+        if self.at_step is not None:  # the first backward pass since a step: were the gradients cleared?
+            grad = self.found.params[self.at_step[0]].grad
+            self.uncleared = grad is not None and (id(grad), grad._version) == self.at_step[1:]
+            self.at_step = None
         # the end of this backward pass, after what it queued itself (DDP's gradient reduction)
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: engine.queue_callback(self.backward_ended))
@@ -215,10 +227,17 @@ class Iteration:
         else:
             self.probe.detach_activations()  # attached in case this forward began the next step
 
-    def stepped(self) -> None:
-        """An optimizer step opens: the iterations since the last one are its micro-batches."""
+    def stepped(self, held: int) -> None:
+        """An optimizer step opens: the iterations since the last one are its micro-batches.
+
+        Args:
+            held: the index of a parameter that the step's optimizer holds.
+        """
         self.probe.quiet = False  # the next forward call closes the step
         self.backward, self.served = None, False
+        self.stale, self.uncleared = (self.stale + 1 if self.uncleared else 0), False
+        grad = self.found.params[held].grad if held < len(self.found.params) else None
+        self.at_step = (held, id(grad), grad._version) if grad is not None else None
         self.merge_carry()
 
     def aside(self, closure: Callable[[], Any]) -> Any:

@@ -28,7 +28,7 @@ from gradwatch.optimizers import Optimizers, closure_at, measured_closure, repla
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
 from gradwatch.recording import Open, Recording
-from gradwatch.records import AMP_SCALE, CLOSURE_EVALUATIONS, StepRecord
+from gradwatch.records import AMP_SCALE, CLOSURE_EVALUATIONS, GRAD_STALE, StepRecord
 from gradwatch.relayout import Looks
 from gradwatch.snapshots import Snapshots, rng_state
 from gradwatch.writer import Writer
@@ -171,7 +171,7 @@ class Lifecycle(Recording):
         """The story of one step, up to the optimizer's update; None when the GradScaler drops it."""
         if self.looks.due(self.measure.missing, self.step):         # the model changed? (gradwatch.relayout)
             self.refresh_layout()
-        step, now = self._count()                                   # open
+        step, now = self._count(opt)                                # open
         if self.leave_out:                                          # branch: an integration leaves it out
             return self._left_out(step, opt)
         measured = self._measure(step, opt)                         # measure: the step's one host read
@@ -182,6 +182,8 @@ class Lifecycle(Recording):
                             scalars={"grad_norm": measured.total, **measured.scalars}, vectors=measured.vectors,
                             logged=self.logged(step) or measured.nonfinite, sampled=measured.launched.sampled,
                             detail=measured.launched.sampled or measured.nonfinite)
+        if self.it.stale:                                           # the gradients were never cleared
+            record.scalars[GRAD_STALE] = float(self.it.stale)
         findings = self._judge(record, measured.nonfinite)          # judge
         self._act(record, findings, measured)                       # act (a halt raises)
         if self.control.skipping:                                   # branch: skipped or rolled back
@@ -202,11 +204,14 @@ class Lifecycle(Recording):
         self.why_dropped(record, self.tracker.captures if self.tracker is not None else [])
         self._skipped(record)
 
-    def _count(self) -> tuple[int, float]:
-        """Open a step: its number and time; the iteration's micro-batches join it."""
+    def _count(self, opt: torch.optim.Optimizer | None) -> tuple[int, float]:
+        """Open a step: its number and time; the iteration's micro-batches join it (a parameter that
+        ``opt`` holds tells whether the next backward pass finds its gradients cleared).
+        """
         step, now = self.step, time.time()
         self.step += 1
-        self.it.stepped()
+        entry = self.optimizers.entry(opt) if opt is not None else None
+        self.it.stepped(entry.indices[0] if entry is not None else self.it.sentinel)
         return step, now
 
     def _measure(self, step: int, opt: torch.optim.Optimizer | None) -> Measured:

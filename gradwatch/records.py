@@ -26,6 +26,9 @@ CLIP_COEF = "clip_coef"
 #: how many times ``optimizer.step(closure)`` evaluated its closure (more than once: a line search, as in
 #: L-BFGS, sized the step); recorded on closure steps, complete once the step has ended
 CLOSURE_EVALUATIONS = "closure_evaluations"
+#: for how many steps in a row the gradients an optimizer step applies still held the previous step's
+#: (not cleared between the two: no ``zero_grad()``); recorded when it is not 0
+GRAD_STALE = "grad_stale_steps"
 
 LAYER = "layer"
 PARAM = "param"

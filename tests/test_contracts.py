@@ -16,6 +16,7 @@ from gradwatch.detectors import (
     loss_spike,
     nonfinite,
     saturation,
+    stale_gradient,
     unused_parameter,
     update_ratio,
     vanishing,
@@ -56,6 +57,10 @@ class TestUpdateRatio(DetectorContract):
 
 class TestUnusedParameter(DetectorContract):
     detector = unused_parameter.UnusedParameter
+
+
+class TestStaleGradient(DetectorContract):
+    detector = stale_gradient.StaleGradient
 
 
 class TestAmpOverflow(DetectorContract):

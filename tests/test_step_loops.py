@@ -197,6 +197,41 @@ def test_a_nan_in_a_gan_discriminator_step_is_found_at_that_iteration(tmp_path: 
     assert "input batch" in found.iloc[0]["message"]
 
 
+# ------------------------------------------------------------------ gradients never cleared
+def _loop(tmp_path: Path, *, clear: str, steps: int = 8, micro: int = 1) -> gw.Run:
+    """A plain loop clearing its gradients ``before`` backward, ``after`` the step, or ``never``."""
+    torch.manual_seed(0)
+    model = gw.watch(_mlp(), run=tmp_path / "run", console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        if clear == "before":
+            opt.zero_grad()
+        for _ in range(micro):
+            x = torch.randn(16, 8, generator=gen)
+            (F.mse_loss(model(x), x[:, :1]) / micro).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if clear == "after":
+            opt.zero_grad(set_to_none=False)
+    gw.unwatch(model)
+    return gw.open_run(tmp_path / "run")
+
+
+@pytest.mark.parametrize(("clear", "micro"), [("never", 1), ("before", 1), ("after", 1), ("after", 4)])
+def test_gradients_never_cleared_between_steps_are_found_and_cleared_ones_are_not(
+        tmp_path: Path, clear: str, micro: int) -> None:
+    run = _loop(tmp_path, clear=clear, micro=micro)
+    found = run.findings()
+    if clear != "never":
+        assert found.empty, list(found.message)
+        assert "grad_stale_steps" not in run.scalars()
+        return
+    assert found[["step", "kind", "severity"]].values.tolist() == [[2, "stale_gradient", "warning"]]
+    assert "no optimizer.zero_grad()" in found.iloc[0]["message"]
+    assert run.scalars()["grad_stale_steps"].dropna().tolist() == [float(s) for s in range(1, 8)]
+
+
 # ------------------------------------------------------------------ copies
 def _trained_watched(tmp_path: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = gw.watch(_mlp(), run=tmp_path / "run", console=False)

@@ -33,6 +33,7 @@ def _registry() -> dict[str, type[Detector]]:
         loss_spike,
         nonfinite,
         saturation,
+        stale_gradient,
         unoptimized_parameter,
         unused_parameter,
         update_ratio,
@@ -53,6 +54,7 @@ def _registry() -> dict[str, type[Detector]]:
         learning_rate.LearningRate,
         zero_gradient.ZeroGradient,
         unoptimized_parameter.UnoptimizedParameter,
+        stale_gradient.StaleGradient,
     ]
     return {cls.kind: cls for cls in classes}
 

@@ -166,6 +166,16 @@ KINDS: dict[str, Kind] = {
             "Gradients zeroed (zero_grad, a hook) between backward() and optimizer.step().",
         ),
     ),
+    "stale_gradient": Kind(
+        "Gradients never cleared",
+        "The gradients are not cleared between optimizer steps: backward adds to the previous steps' gradients, "
+        "so each step applies their sum, a step size that grows with every step.",
+        (
+            "Call optimizer.zero_grad() (or model.zero_grad()) once per step: before backward(), or after "
+            "optimizer.step().",
+            "Accumulating over micro-batches on purpose: clear after each optimizer.step(), not never.",
+        ),
+    ),
     "unoptimized_parameter": Kind(
         "Parameter not optimized",
         "The parameter requires grad and gets gradients, but no optimizer changes it: it is in none of the "
