@@ -137,7 +137,7 @@ class Lifecycle(Recording):
             if self.before_step is not None:
                 self.before_step()  # a framework observes values, or leaves the step out
             try:
-                self.open = self._begin(opt, scaled)
+                self.open = self._begin(opt, scaled, entry.indices[0])
             except TrainingHalted as halt:
                 if self.on_halt is None:
                     raise
@@ -167,11 +167,12 @@ class Lifecycle(Recording):
             if grads:
                 torch._foreach_zero_(grads)
 
-    def _begin(self, opt: torch.optim.Optimizer | None, scaled: bool) -> Open | None:
+    def _begin(self, opt: torch.optim.Optimizer | None, scaled: bool, held: int | None = None) -> Open | None:
         """The story of one step, up to the optimizer's update; None when the GradScaler drops it."""
         if self.looks.due(self.measure.missing, self.step):         # the model changed? (gradwatch.relayout)
             self.refresh_layout()
-        step, now = self._count(opt)                                # open
+            held = None  # an index of the layout before
+        step, now = self._count(held)                               # open
         if self.leave_out:                                          # branch: an integration leaves it out
             return self._left_out(step, opt)
         measured = self._measure(step, opt)                         # measure: the step's one host read
@@ -204,14 +205,13 @@ class Lifecycle(Recording):
         self.why_dropped(record, self.tracker.captures if self.tracker is not None else [])
         self._skipped(record)
 
-    def _count(self, opt: torch.optim.Optimizer | None) -> tuple[int, float]:
-        """Open a step: its number and time; the iteration's micro-batches join it (a parameter that
-        ``opt`` holds tells whether the next backward pass finds its gradients cleared).
+    def _count(self, held: int | None) -> tuple[int, float]:
+        """Open a step: its number and time; the iteration's micro-batches join it (``held``, a parameter
+        the step's optimizer holds, tells whether the next backward pass finds its gradients cleared).
         """
         step, now = self.step, time.time()
         self.step += 1
-        entry = self.optimizers.entry(opt) if opt is not None else None
-        self.it.stepped(entry.indices[0] if entry is not None else self.it.sentinel)
+        self.it.stepped(self.it.sentinel if held is None else held)
         return step, now
 
     def _measure(self, step: int, opt: torch.optim.Optimizer | None) -> Measured:
