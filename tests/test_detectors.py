@@ -254,3 +254,45 @@ def test_a_long_cut_in_the_graph_lists_the_layers_nearest_it_and_the_first() -> 
     assert (finding.layer, finding.data["count"]) == ("l21", 22)
     assert finding.data["layers"] == [f"l{i}" for i in range(21, 2, -1)] + ["l0"]
     assert "(and 21 layers before it)" in finding.message
+
+
+def test_baselines_carry_over_a_new_layout_of_the_same_layers() -> None:
+    """Parameters frozen or unfrozen give the run a new layout version with the same layers: the layer
+    baselines of ``exploding`` and the counts of ``vanishing`` go on (a loop that toggles requires_grad
+    would otherwise restart them at every look); new layers start afresh."""
+    import dataclasses
+
+    import numpy as np
+
+    from gradwatch.detectors.exploding import Exploding
+    from gradwatch.detectors.vanishing import Vanishing
+    from gradwatch.records import LAYER, Layout, StepRecord
+
+    v1 = Layout(version=1, layers=("a", "b", "c"), layer_types=("Linear",) * 3, layer_numel=(4, 4, 4),
+                params=("a.w", "b.w", "c.w"), param_numel=(4, 4, 4), owners=((0, 0), (1, 1), (2, 2)),
+                leaves=(0, 1, 2), trainable=(True, True, True))
+    v2 = dataclasses.replace(v1, version=2, trainable=(True, False, True))
+    v3 = dataclasses.replace(v1, version=3, layers=("a", "b", "d"))
+
+    def record(step: int, layout: Layout, norms: list[float]) -> StepRecord:
+        return StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": 1.0},
+                          vectors={(LAYER, "grad_norm"): np.asarray(norms, dtype=np.float32),
+                                   (LAYER, "grad_nonfinite"): np.zeros(3, dtype=np.float32)})
+
+    def wobble(step: int) -> float:
+        return 1.0 + 0.02 * (step % 3)
+
+    exploding = Exploding()
+    for step in range(30):
+        assert not exploding.check(record(step, v1, [wobble(step), wobble(step + 1), 0.01 * wobble(step)]))
+    for step in range(30, 33):
+        assert not exploding.check(record(step, v2, [wobble(step), wobble(step + 1), 0.01 * wobble(step)]))
+    (found,) = exploding.check(record(33, v2, [wobble(33), wobble(34), 0.3]))  # 30x: below early_ratio's 100x
+    assert (found.kind, found.layer) == ("exploding", "c")
+    assert not exploding.check(record(34, v3, [1.0, 1.0, 0.3]))  # a new layer "d": its baseline starts afresh
+
+    vanishing = Vanishing()
+    for step in range(6):
+        assert not vanishing.check(record(step, v1, [1.0, 1.0, 1e-12]))
+    found = [f for step in range(6, 10) for f in vanishing.check(record(step, v2, [1.0, 1.0, 1e-12]))]
+    assert [(f.kind, f.layer, f.step) for f in found] == [("vanishing", "c", 9)]  # 10 steps in a row, 2 layouts

@@ -84,6 +84,7 @@ class Exploding(Detector):
     _global: Window = field(init=False, repr=False)
     _layers: Window = field(init=False, repr=False)
     _version: int = field(default=-1, init=False, repr=False)
+    _names: tuple[tuple[str, ...], tuple[int, ...]] = field(default=((), ()), init=False, repr=False)
     _bounds: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
     _recent: Recent = field(init=False, repr=False)  # each layer's last healthy log norms
     _recent_global: Recent = field(init=False, repr=False)  # the global norm's
@@ -123,10 +124,11 @@ class Exploding(Detector):
         if record.skipped or total is None or norms is None:
             return []
         layout = record.layout
-        if layout.version != self._version:
-            self._layers, self._version = Window(self.window, len(layout.layers)), layout.version
-            self._recent = Recent(RECENT, len(layout.layers))
-            self._bounds.clear()  # a new window may reuse the old one's id
+        if layout.version != self._version:  # baselines carry over a new layout of the same layers (frozen, unfrozen)
+            if (layout.layers, layout.layer_numel) != self._names or self._version < 0:
+                self._layers, self._recent = Window(self.window, len(layout.layers)), Recent(RECENT, len(layout.layers))
+                self._bounds.clear()  # a new window may reuse the old one's id
+            self._version, self._names = layout.version, (layout.layers, layout.layer_numel)
         if not math.isfinite(total):
             # nothing enters the baselines; NaN/Inf elements are the nonfinite detector's
             return self._overflow(record, total, norms)
