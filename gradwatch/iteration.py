@@ -227,18 +227,19 @@ class Iteration:
         else:
             self.probe.detach_activations()  # attached in case this forward began the next step
 
-    def stepped(self, held: int) -> None:
-        """An optimizer step opens: the iterations since the last one are its micro-batches.
-
-        Args:
-            held: the index of a parameter that the step's optimizer holds.
-        """
+    def stepped(self) -> None:
+        """An optimizer step opens: the iterations since the last one are its micro-batches."""
         self.probe.quiet = False  # the next forward call closes the step
         self.backward, self.served = None, False
-        self.stale, self.uncleared = (self.stale + 1 if self.uncleared else 0), False
+        self.stale, self.uncleared, self.at_step = (self.stale + 1 if self.uncleared else 0), False, None
+        self.merge_carry()
+
+    def applied(self, held: int) -> None:
+        """The step's gradients are what the optimizer applies (after gradwatch's own actions): remember
+        one, of the parameter at ``held`` (which the step's optimizer holds), for the next backward pass.
+        """
         grad = self.found.params[held].grad if held < len(self.found.params) else None
         self.at_step = (held, id(grad), grad._version) if grad is not None else None
-        self.merge_carry()
 
     def aside(self, closure: Callable[[], Any]) -> Any:
         """Run a closure with gradwatch's hooks standing aside and the iteration's state kept."""

@@ -172,7 +172,7 @@ class Lifecycle(Recording):
         if self.looks.due(self.measure.missing, self.step):         # the model changed? (gradwatch.relayout)
             self.refresh_layout()
             held = None  # an index of the layout before
-        step, now = self._count(held)                               # open
+        step, now = self._count()                                   # open
         if self.leave_out:                                          # branch: an integration leaves it out
             return self._left_out(step, opt)
         measured = self._measure(step, opt)                         # measure: the step's one host read
@@ -187,6 +187,7 @@ class Lifecycle(Recording):
             record.scalars[GRAD_STALE] = float(self.it.stale)
         findings = self._judge(record, measured.nonfinite)          # judge
         self._act(record, findings, measured)                       # act (a halt raises)
+        self.it.applied(self.it.sentinel if held is None else held)  # were they cleared by the next backward?
         if self.control.skipping:                                   # branch: skipped or rolled back
             record.skipped = True
             return Open(record, skip=True)
@@ -205,13 +206,11 @@ class Lifecycle(Recording):
         self.why_dropped(record, self.tracker.captures if self.tracker is not None else [])
         self._skipped(record)
 
-    def _count(self, held: int | None) -> tuple[int, float]:
-        """Open a step: its number and time; the iteration's micro-batches join it (``held``, a parameter
-        the step's optimizer holds, tells whether the next backward pass finds its gradients cleared).
-        """
+    def _count(self) -> tuple[int, float]:
+        """Open a step: its number and time; the iteration's micro-batches join it."""
         step, now = self.step, time.time()
         self.step += 1
-        self.it.stepped(self.it.sentinel if held is None else held)
+        self.it.stepped()
         return step, now
 
     def _measure(self, step: int, opt: torch.optim.Optimizer | None) -> Measured:

@@ -198,10 +198,10 @@ def test_a_nan_in_a_gan_discriminator_step_is_found_at_that_iteration(tmp_path: 
 
 
 # ------------------------------------------------------------------ gradients never cleared
-def _loop(tmp_path: Path, *, clear: str, steps: int = 8, micro: int = 1) -> gw.Run:
+def _loop(tmp_path: Path, *, clear: str, steps: int = 8, micro: int = 1, **options: object) -> gw.Run:
     """A plain loop clearing its gradients ``before`` backward, ``after`` the step, or ``never``."""
     torch.manual_seed(0)
-    model = gw.watch(_mlp(), run=tmp_path / "run", console=False)
+    model = gw.watch(_mlp(), run=tmp_path / "run", console=False, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -229,6 +229,14 @@ def test_gradients_never_cleared_between_steps_are_found_and_cleared_ones_are_no
         return
     assert found[["step", "kind", "severity"]].values.tolist() == [[2, "stale_gradient", "warning"]]
     assert "no optimizer.zero_grad()" in found.iloc[0]["message"]
+    assert run.scalars()["grad_stale_steps"].dropna().tolist() == [float(s) for s in range(1, 8)]
+
+
+def test_gradwatchs_own_clip_does_not_pass_for_clearing_the_gradients(tmp_path: Path) -> None:
+    """A clip action scales the gradients in place (a new version of the same tensor) before the
+    optimizer applies them: what the next backward pass compares with is what was applied."""
+    run = _loop(tmp_path, clear="never", rules=[gw.Rule(when="stale_gradient", do="clip", max_norm=1e-3)])
+    assert run.findings()[["step", "kind", "action"]].values.tolist() == [[2, "stale_gradient", "clip"]]
     assert run.scalars()["grad_stale_steps"].dropna().tolist() == [float(s) for s in range(1, 8)]
 
 
