@@ -83,6 +83,38 @@ def test_loss_spike_blames_the_one_outlier_sample(run_dir: Path, per_sample_loss
     assert exploding["how"] == "per-sample gradient norm (torch.func)"
 
 
+class LossFirst(nn.Module):
+    """A model that computes its own loss and returns it first, as a Hugging Face model given labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.linear(x)
+        return F.mse_loss(out, labels), out
+
+
+def test_a_model_that_returns_its_loss_first_says_how_to_blame_samples(run_dir: Path) -> None:
+    data = Rows(BATCH * STEPS, scale={OUTLIER: 1e4})
+    model = LossFirst()
+    gw.watch(model, run=run_dir, console=False, rules=None)
+    w = gw.watcher(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x, y in w.batches(DataLoader(data, batch_size=BATCH)):
+        opt.zero_grad()
+        loss, _ = model(x, y)
+        loss.backward()
+        w.observe(loss=loss)
+        opt.step()
+    gw.unwatch(model)
+    found = gw.open_run(run_dir).findings()
+    row = found[found.kind == "exploding"].iloc[0]
+    assert row.step == SPIKE_STEP and row.data["samples"]["indices"] == []
+    assert "the model returns a scalar first (its own loss" in row.message
+    assert "observe(sample_losses=...) names them" in row.message
+
+
 @pytest.mark.slow  # one backward per sample
 def test_a_model_that_mixes_samples_is_blamed_with_one_backward_per_sample(run_dir: Path) -> None:
     """BatchNorm in training mixes the batch: torch.func would change the step, so each sample's part

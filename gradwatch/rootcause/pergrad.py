@@ -85,6 +85,9 @@ def grad_norms(model: nn.Module, cap: Capture, rng: Rng) -> tuple[torch.Tensor |
     grad, batch = cap.grad, cap.batch
     if grad is None:
         return None, "the gradient at the model's output was too large to keep, so per-sample gradients are unknown"
+    if grad.dim() == 0:  # a Hugging Face model given labels returns its loss first
+        return None, ("the model returns a scalar first (its own loss, as a Hugging Face model given labels does), "
+                      "which mixes the samples; observe(sample_losses=...) names them")
     if batch is None or batch_dim(grad, batch) != 0:
         return None, "the model's output has no leading batch dimension"
     if batch > MAX_BATCH:
