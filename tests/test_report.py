@@ -424,3 +424,26 @@ def test_write_is_atomic(runs: dict[str, Path], tmp_path: Path, monkeypatch: pyt
     assert target.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
     assert leftovers(tmp_path) == []
     assert oct(target.stat().st_mode & 0o777) != oct(0o600), "readable like any file, not mkstemp's 0600"
+
+
+def test_start_here_gives_each_findings_own_remedy(tmp_path: Path) -> None:
+    """A parameter group at learning rate 0: the first remedy of the kind (build the optimizer from
+    model.parameters()) is for another cause; the finding's own hint is what to try."""
+    import re
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    run_dir = tmp_path / "run"
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD([{"params": model[2].parameters()}, {"params": model[0].parameters(), "lr": 0.0}], lr=0.01)
+    for _ in range(12):
+        x = torch.randn(32, 8)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1]).backward()
+        opt.step()
+    gw.unwatch(model)
+    (row,) = gw.open_run(run_dir).findings().itertuples()
+    assert (row.kind, row.data["reason"]) == ("unoptimized_parameter", "zero_update")
+    start = re.search(r"<h4>Start here</h4>(.*?)</ol>", render(run_dir), re.S)
+    assert start is not None
+    assert "Try: if it is meant to be frozen" in start.group(1) and "Build the optimizer" not in start.group(1)
