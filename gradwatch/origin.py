@@ -148,8 +148,9 @@ class Tracker:
             else:
                 self._pending[key] = (value, weak)
 
-    def output(self, out: torch.Tensor) -> Capture | None:
-        """Remember (a reference to) the output of the latest forward call, when it is small enough.
+    def output(self, out: torch.Tensor, several: bool = False) -> Capture | None:
+        """Remember (a reference to) the output of the latest forward call, when it is small enough
+        (``several``: the call returned more than this tensor).
 
         Returns:
             that call's capture, where the gradient arriving at the output goes
@@ -159,7 +160,7 @@ class Tracker:
         cap = self.latest
         if cap is None:
             return None
-        n = out.numel()
+        n, cap.several = out.numel(), several
         if n <= KEEP_GRAD_NUMEL:
             cap.output = out
         if len(self.captures) > KEEP_GRADS and n < SMALL_OUTPUT:
@@ -238,6 +239,13 @@ class Tracker:
             self.rng.set(self.captures[loss[0]].rng)
             return self._in_step(diagnose(model, self.captures[loss[0]], loss[1], self.rng, self.reference), loss[0])
         own = any(cap.output is not None and not finite(cap.output) for cap in self.captures)
+        if not own and any(cap.several for cap in self.captures):  # a gradient through an output not kept
+            return {"how": "attributed", "root_cause": {"cause": None, "cause_detail": (
+                "the replay stayed finite, forward and backward from the model's first output; the model "
+                "returns more than one tensor, and the NaN/Inf most likely came back through the gradient of "
+                "another one: born in the loss computed from it (observe(loss=...) lets gradwatch tell)")},
+                "note": "not reproduced from the model's first output: the layer is the latest with a NaN/Inf "
+                        "gradient"}
         return not_reproducible(len(self.captures), "output" if own else "gradients")
 
     def explain(self, findings: list[Finding]) -> None:

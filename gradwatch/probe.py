@@ -101,7 +101,7 @@ class Probe:
         on_step_post: Callable[[torch.optim.Optimizer], None],
         on_backward_start: Callable[[], None],
         on_backward_end: Callable[[torch.Tensor], None],
-        on_output: Callable[[torch.Tensor], Keeper | None] | None = None,
+        on_output: Callable[[torch.Tensor, bool], Keeper | None] | None = None,
     ) -> None:
         self._on_forward = on_forward
         self._on_backward_start = on_backward_start
@@ -208,7 +208,7 @@ class Probe:
             return
         out = first_tensor(output)
         if out is not None and out.requires_grad and self._on_output is not None:
-            keeper = self._on_output(out)
+            keeper = self._on_output(out, out is not output)  # and whether the model returned more
             if keeper is not None:  # held weakly: the keeper holds the output, whose hook this is
                 out.register_hook(functools.partial(self._output_grad_hook, weakref.ref(keeper)))
 

@@ -308,6 +308,39 @@ def test_a_nan_in_every_row_blames_the_batch_not_a_list_of_all_its_samples(run_d
     assert "samples to blame: every sample of the batch (8): not a few bad samples" in row.message
 
 
+def test_a_nan_through_the_gradient_of_a_second_output_is_not_called_faulty_hardware(run_dir: Path) -> None:
+    """A VAE-style model returns (reconstruction, log-variance); the loss, not observed, overflows in
+    exp(log-variance). The replay from the first output stays finite: that is not a fault of the
+    hardware, the NaN came back through the other output's gradient."""
+
+    class TwoOutputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.recon, self.logvar = nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = torch.relu(self.body(x))
+            return self.recon(h), self.logvar(h)
+
+    torch.manual_seed(0)
+    model = TwoOutputs()
+    gw.watch(model, run=run_dir, console=False, rules=None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(4):
+        x = torch.rand(8, 4) * (1e4 if step == 2 else 1.0)
+        recon, logvar = model(x)
+        loss = F.mse_loss(recon, x) + logvar.exp().mean()  # exp overflows to inf at step 2
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    gw.unwatch(model)
+    row = gw.open_run(run_dir).findings().iloc[0]
+    assert (row.kind, row.step, row.data["origin"]) == ("nonfinite", 2, "attributed")
+    assert row.data["root_cause"]["cause"] is None
+    assert row.message.startswith("NaN/Inf at step 2 was not reproduced by the replay")
+    assert "the model returns more than one tensor" in row.message and "faulty hardware" not in row.message
+
+
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
 def test_a_large_output_gradient_is_reduced_to_a_finiteness_flag(bad: float | None) -> None:
     """Beyond KEEP_GRAD_NUMEL elements the step's output gradient is not kept, only whether it was finite."""

@@ -38,6 +38,8 @@ class Capture:
             gradient is not hooked at all (see :data:`SMALL_OUTPUT`).
         output: the call's output (its first floating-point tensor), when small enough to keep: a
             replay whose output is finite where this one was not did not reproduce the step.
+        several: the call returned more than that tensor (a tuple, a dict): a gradient may have come
+            back through another of its outputs, which is not kept.
         ids: the user's ids of the batch's samples (``observe(sample_ids=...)``, ``batches(loader)``),
             as given (a 1-D tensor stays on its device: it is read only if a sample is blamed).
         weak_ids: the ids are a DataLoader's indices, which the user's own replace.
@@ -53,6 +55,7 @@ class Capture:
     grad_finite: torch.Tensor | None = None
     grad_kept: bool = True
     output: torch.Tensor | None = None
+    several: bool = False
     ids: Any = None
     weak_ids: bool = False
     losses: torch.Tensor | None = None

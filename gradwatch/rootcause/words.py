@@ -105,6 +105,11 @@ def nonfinite_message(origin: dict[str, Any], step: int, what: list[str]) -> str
                 if origin.get("phase") == "backward" else
                 "The model's output is finite but the loss is NaN/Inf (born in the loss function)")
         head += f" at step {step}"
+    elif root.get("cause") is None and root.get("cause_detail") and origin.get("how") == "attributed":
+        head = f"NaN/Inf at step {step} was not reproduced by the replay"  # the calls or outputs it could replay
+        if origin.get("layer"):
+            head += f" (attributed to {layer(origin['layer'])}, {origin.get('phase')})"
+        head += f": {root['cause_detail']}"
     elif origin.get("layer") is not None and root.get("note"):  # the module is known, no single op in it
         where = layer(origin["layer"], origin.get("type"))
         head = f"NaN/Inf first appeared in the {origin.get('phase')} pass of {where} at step {step}: {root['note']}"
