@@ -205,6 +205,30 @@ def test_a_loop_that_clips_itself_passes_the_preclip_norm_for_exploding(run_dir:
     assert (60, "loss_spike") in kinds
 
 
+def test_a_layer_that_grows_to_a_small_share_of_the_gradient_is_no_explosion() -> None:
+    """A layer whose gradient was tiny (a transformer's attention keys before it starts to learn) grows
+    100x to a small share of the model's gradient: not an explosion; the same jump carrying most of
+    the gradient is one."""
+    import numpy as np
+
+    from gradwatch.detectors.exploding import Exploding
+    from gradwatch.records import LAYER, Layout, StepRecord
+
+    layout = Layout(version=1, layers=("a", "b"), layer_types=("Linear", "Linear"), layer_numel=(4, 4),
+                    params=("a.weight", "b.weight"), param_numel=(4, 4), owners=((0, 0), (1, 1)), leaves=(0, 1),
+                    trainable=(True, True))
+
+    def record(step: int, a: float, b: float) -> StepRecord:
+        return StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": float(np.hypot(a, b))},
+                          vectors={(LAYER, "grad_norm"): np.array([a, b], dtype=np.float32)})
+
+    for b, found in ((0.3, []), (3.0, ["b"])):  # 0.3 of 1.04 (8% of the squares); 3.0 of 3.2 (90%)
+        detector = Exploding()
+        for step in range(30):
+            assert not detector.check(record(step, 1.0 + 0.01 * (step % 3), 0.003 * (1 + 0.02 * (step % 4))))
+        assert [f.layer for f in detector.check(record(30, 1.0, b))] == found
+
+
 def test_a_layers_explosion_carries_that_layers_norm_and_typical_value() -> None:
     """A layer's gradient norm jumps 100x while the global norm stays as it was: the finding's data
     holds the layer's norm and its typical value (with the global norm beside them)."""
@@ -275,21 +299,21 @@ def test_baselines_carry_over_a_new_layout_of_the_same_layers() -> None:
     v3 = dataclasses.replace(v1, version=3, layers=("a", "b", "d"))
 
     def record(step: int, layout: Layout, norms: list[float]) -> StepRecord:
-        return StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": 1.0},
+        return StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": float(np.linalg.norm(norms))},
                           vectors={(LAYER, "grad_norm"): np.asarray(norms, dtype=np.float32),
                                    (LAYER, "grad_nonfinite"): np.zeros(3, dtype=np.float32)})
 
     def wobble(step: int) -> float:
-        return 1.0 + 0.02 * (step % 3)
+        return 0.1 * (1.0 + 0.02 * (step % 3))
 
     exploding = Exploding()
     for step in range(30):
-        assert not exploding.check(record(step, v1, [wobble(step), wobble(step + 1), 0.01 * wobble(step)]))
+        assert not exploding.check(record(step, v1, [wobble(step), wobble(step + 1), 0.1 * wobble(step)]))
     for step in range(30, 33):
-        assert not exploding.check(record(step, v2, [wobble(step), wobble(step + 1), 0.01 * wobble(step)]))
+        assert not exploding.check(record(step, v2, [wobble(step), wobble(step + 1), 0.1 * wobble(step)]))
     (found,) = exploding.check(record(33, v2, [wobble(33), wobble(34), 0.3]))  # 30x: below early_ratio's 100x
     assert (found.kind, found.layer) == ("exploding", "c")
-    assert not exploding.check(record(34, v3, [1.0, 1.0, 0.3]))  # a new layer "d": its baseline starts afresh
+    assert not exploding.check(record(34, v3, [0.1, 0.1, 0.3]))  # a new layer "d": its baseline starts afresh
 
     vanishing = Vanishing()
     for step in range(6):

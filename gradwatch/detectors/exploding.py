@@ -66,12 +66,14 @@ class Exploding(Detector):
         warmup: values in a baseline before it judges with ``z`` and ``ratio``.
         early_ratio: before ``warmup`` values, a flagged norm is at least this many times its median.
         jump: a flagged norm is also at least this many times the median of its last 5 healthy values.
+        layer_share: a layer's flagged norm also carries at least this share of the step's squared
+            global norm (0.25: at least half the global norm); 0 turns it off.
         min_std: floor of the baseline's spread (log space).
     """
 
     kind = "exploding"
     bounds = {"ratio": Bound(1), "layer_ratio": Bound(1), "window": Bound(1, MAX_WINDOW), "warmup": Bound(1, "window"),
-              "early_ratio": Bound(1), "jump": Bound(1)}
+              "early_ratio": Bound(1), "jump": Bound(1), "layer_share": Bound(0, 1)}
     z: float = 6.0
     ratio: float = 5.0
     layer_ratio: float = 10.0
@@ -80,6 +82,7 @@ class Exploding(Detector):
     warmup: int = 20
     early_ratio: float = 100.0
     jump: float = 4.0
+    layer_share: float = 0.25
     min_std: float = 0.1
     _global: Window = field(init=False, repr=False)
     _layers: Window = field(init=False, repr=False)
@@ -146,6 +149,10 @@ class Exploding(Detector):
         if l_flag.any():
             cols = np.flatnonzero(l_flag)
             l_flag[cols] = ~(logs[cols] - self._recent.median(cols, EARLY) <= jump)
+            # one layer's explosion carries the step: a layer that grows from a tiny gradient to a
+            # still small share of the model's (attention keys as a transformer starts to learn) is not one
+            applied = record.scalars.get("grad_norm", total)
+            l_flag[cols] &= norms[cols].astype(np.float64) ** 2 >= self.layer_share * applied ** 2
         over = self.limit > 0 and total > self.limit
         layer_flag = bool(l_flag.any())
         bad = g_flag or over
