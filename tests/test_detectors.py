@@ -320,3 +320,38 @@ def test_baselines_carry_over_a_new_layout_of_the_same_layers() -> None:
         assert not vanishing.check(record(step, v1, [1.0, 1.0, 1e-12]))
     found = [f for step in range(6, 10) for f in vanishing.check(record(step, v2, [1.0, 1.0, 1e-12]))]
     assert [(f.kind, f.layer, f.step) for f in found] == [("vanishing", "c", 9)]  # 10 steps in a row, 2 layouts
+
+
+def test_after_a_learning_rate_named_too_high_an_update_of_zero_is_not_called_a_learning_rate_of_zero() -> None:
+    """Weights that a too-high learning rate blew up round their updates to exactly 0: neither
+    ``unoptimized_parameter`` (zero update: "its learning rate is 0") nor ``update_ratio`` (too small:
+    "raise the learning rate") may then give the opposite remedy."""
+    import numpy as np
+
+    from gradwatch.detectors.causes import LR_HIGH
+    from gradwatch.detectors.unoptimized_parameter import UnoptimizedParameter
+    from gradwatch.detectors.update_ratio import UpdateRatio
+    from gradwatch.records import LAYER, PARAM, Layout, StepRecord
+
+    layout = Layout(version=1, layers=("a", "b"), layer_types=("Linear", "Linear"), layer_numel=(4, 4),
+                    params=("a.weight", "b.weight"), param_numel=(4, 4), owners=((0, 0), (1, 1)), leaves=(0, 1),
+                    trainable=(True, True))
+    ratio = np.array([0.0, 1e-2], dtype=np.float32)  # "a" does not move at all, "b" does
+    tiny = np.array([1e-12, 1e-2], dtype=np.float32)  # "a" moves, far too little
+    norms = np.array([1.0, 1.0], dtype=np.float32)
+
+    def record(step: int, r: np.ndarray) -> StepRecord:
+        vectors = {(scope, metric): v for scope in (LAYER, PARAM)
+                   for metric, v in (("update_ratio", r), ("grad_norm", norms), ("param_norm", norms),
+                                     ("grad_nonfinite", np.zeros(2, dtype=np.float32)))}
+        return StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": 1.4, "lr": 0.1}, vectors=vectors,
+                          sampled=True)
+
+    for blown_up, expected in ((False, [("unoptimized_parameter", "a"), ("update_ratio", "a")]), (True, [])):
+        unoptimized, updates = UnoptimizedParameter(), UpdateRatio()
+        if blown_up:
+            unoptimized.causes.note(LR_HIGH, 0)
+            updates.causes.note(LR_HIGH, 0)
+        found = unoptimized.check(record(10, ratio))
+        found += [f for step in (10, 20, 30) for f in updates.check(record(step, tiny))]
+        assert [(f.kind, f.layer) for f in found] == expected

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
+from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.findings import Finding
 from gradwatch.records import PARAM, StepRecord
 from gradwatch.wording import layer as _layer
@@ -87,6 +88,8 @@ class UnoptimizedParameter(Detector):
         self._runs = np.where(stuck, self._runs + 1, 0)
         out = []
         for zero in (False, True):
+            if zero and self.causes.named(LR_HIGH, record.step):
+                continue  # weights a too-high learning rate blew up round their updates to exactly 0
             idx = np.flatnonzero(stuck & (ratio == 0 if zero else unheld))
             due = idx[self._runs[idx] == self.patience]
             if len(due):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.detectors.causes import LR_LOW
+from gradwatch.detectors.causes import LR_HIGH, LR_LOW
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 from gradwatch.wording import layer as _layer
@@ -65,8 +65,8 @@ class UpdateRatio(Detector):
             message = (f"update of {_layer(name, type_)} is {r:.3g}x its weights' norm at step {record.step}: "
                        "too large.")
             out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_HIGH}))
-        if self.causes.named(LR_LOW, record.step):
-            return out
+        if self.causes.named(LR_LOW, record.step) or self.causes.named(LR_HIGH, record.step):
+            return out  # named already, or the weights a too-high rate blew up round their updates away
         for i in np.flatnonzero(low & (self._low == self.patience_low)):
             name, type_, r = layout.layers[i], layout.layer_types[i], float(ratio[i])
             message = (f"update of {_layer(name, type_)} is only {r:.3g}x its weights' norm at step "
