@@ -266,6 +266,29 @@ def test_capture_tells_inputs_changed_in_place_and_keeps_no_version_for_inferenc
     assert cap.modified()
 
 
+def test_a_nan_loss_observed_names_the_samples_of_its_gradient(run_dir: Path) -> None:
+    """log(1 - p) is -inf where a sample saturates the sigmoid: the observed loss is inf, the model's output
+    finite; the rows of the loss's gradient that the step kept name the sample."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid())
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.rand(16, 8)
+        if step == 2:
+            x[5] = 1000.0
+        loss = -torch.log(1 - model(x)).mean()
+        opt.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        opt.step()
+    gw.unwatch(model)
+    row = gw.open_run(run_dir).findings().iloc[0]
+    assert (row.step, row.kind, row.data["samples"]["indices"]) == (2, "nonfinite", [5])
+    assert row.message.startswith("The model's output is finite but the loss is NaN/Inf (born in the loss function) "
+                                  "at step 2; samples to blame: sample 5;")
+
+
 def test_nan_born_in_the_loss_names_the_samples_of_its_gradient(run_dir: Path) -> None:
     """sqrt(|out - y|) has an infinite gradient where the prediction is exact: the loss, not the model."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))

@@ -106,7 +106,8 @@ def locate(model: nn.Module, cap: Capture, loss_finite: bool) -> Located | None:
             return None  # the step's own output was NaN/Inf, the replay's is finite: not reproduced
         if not loss_finite:
             note = None if cap.output is not None else "the step's own output was not kept (too large)"
-            return Located("forward", source="loss", note=note)
+            kept = cap.grad if cap.grad is not None and not finite(cap.grad) else None  # its rows name the samples
+            return Located("forward", source="loss", note=note, output=kept)
         out = first_tensor(output)
         if out is None or not out.requires_grad:
             return None
