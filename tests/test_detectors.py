@@ -10,7 +10,15 @@ import torch
 from torch import nn
 
 import gradwatch as gw
+from gradwatch.records import Layout
 
+
+def linears(*names: str) -> Layout:
+    """The layout (version 1) of a model of Linear layers of 4 weights each, one parameter per layer."""
+    n = len(names)
+    return Layout(version=1, layers=names, layer_types=("Linear",) * n, layer_numel=(4,) * n,
+                  params=tuple(f"{x}.weight" for x in names), param_numel=(4,) * n,
+                  owners=tuple((i, i) for i in range(n)), leaves=tuple(range(n)), trainable=(True,) * n)
 
 def fit(model: nn.Module, run_dir: Path, steps: int, *, lr: float = 0.05, opt: str = "sgd",
         batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None, **kw: object) -> gw.Run:
@@ -212,11 +220,9 @@ def test_a_layer_that_grows_to_a_small_share_of_the_gradient_is_no_explosion() -
     import numpy as np
 
     from gradwatch.detectors.exploding import Exploding
-    from gradwatch.records import LAYER, Layout, StepRecord
+    from gradwatch.records import LAYER, StepRecord
 
-    layout = Layout(version=1, layers=("a", "b"), layer_types=("Linear", "Linear"), layer_numel=(4, 4),
-                    params=("a.weight", "b.weight"), param_numel=(4, 4), owners=((0, 0), (1, 1)), leaves=(0, 1),
-                    trainable=(True, True))
+    layout = linears("a", "b")
 
     def record(step: int, a: float, b: float) -> StepRecord:
         return StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": float(np.hypot(a, b))},
@@ -235,11 +241,9 @@ def test_a_layers_explosion_carries_that_layers_norm_and_typical_value() -> None
     import numpy as np
 
     from gradwatch.detectors.exploding import Exploding
-    from gradwatch.records import LAYER, Layout, StepRecord
+    from gradwatch.records import LAYER, StepRecord
 
-    layout = Layout(version=1, layers=("a", "b"), layer_types=("Linear", "Linear"), layer_numel=(4, 4),
-                    params=("a.weight", "b.weight"), param_numel=(4, 4), owners=((0, 0), (1, 1)), leaves=(0, 1),
-                    trainable=(True, True))
+    layout = linears("a", "b")
     detector = Exploding()
 
     def record(step: int, b: float) -> StepRecord:
@@ -260,13 +264,11 @@ def test_a_long_cut_in_the_graph_lists_the_layers_nearest_it_and_the_first() -> 
     import numpy as np
 
     from gradwatch.detectors.vanishing import Vanishing
-    from gradwatch.records import LAYER, PARAM, Layout, StepRecord
+    from gradwatch.records import LAYER, PARAM, StepRecord
 
     n = 25
     names = tuple(f"l{i}" for i in range(n))
-    layout = Layout(version=1, layers=names, layer_types=("Linear",) * n, layer_numel=(4,) * n,
-                    params=tuple(f"{x}.weight" for x in names), param_numel=(4,) * n,
-                    owners=tuple((i, i) for i in range(n)), leaves=tuple(range(n)), trainable=(True,) * n)
+    layout = linears(*names)
     norms = np.array([0.0] * 22 + [1.0, 1.2, 0.9], dtype=np.float32)
     detector = Vanishing()
     found = []
@@ -290,11 +292,9 @@ def test_baselines_carry_over_a_new_layout_of_the_same_layers() -> None:
 
     from gradwatch.detectors.exploding import Exploding
     from gradwatch.detectors.vanishing import Vanishing
-    from gradwatch.records import LAYER, Layout, StepRecord
+    from gradwatch.records import LAYER, StepRecord
 
-    v1 = Layout(version=1, layers=("a", "b", "c"), layer_types=("Linear",) * 3, layer_numel=(4, 4, 4),
-                params=("a.w", "b.w", "c.w"), param_numel=(4, 4, 4), owners=((0, 0), (1, 1), (2, 2)),
-                leaves=(0, 1, 2), trainable=(True, True, True))
+    v1 = linears("a", "b", "c")
     v2 = dataclasses.replace(v1, version=2, trainable=(True, False, True))
     v3 = dataclasses.replace(v1, version=3, layers=("a", "b", "d"))
 
@@ -331,11 +331,9 @@ def test_after_a_learning_rate_named_too_high_an_update_of_zero_is_not_called_a_
     from gradwatch.detectors.causes import LR_HIGH
     from gradwatch.detectors.unoptimized_parameter import UnoptimizedParameter
     from gradwatch.detectors.update_ratio import UpdateRatio
-    from gradwatch.records import LAYER, PARAM, Layout, StepRecord
+    from gradwatch.records import LAYER, PARAM, StepRecord
 
-    layout = Layout(version=1, layers=("a", "b"), layer_types=("Linear", "Linear"), layer_numel=(4, 4),
-                    params=("a.weight", "b.weight"), param_numel=(4, 4), owners=((0, 0), (1, 1)), leaves=(0, 1),
-                    trainable=(True, True))
+    layout = linears("a", "b")
     ratio = np.array([0.0, 1e-2], dtype=np.float32)  # "a" does not move at all, "b" does
     tiny = np.array([1e-12, 1e-2], dtype=np.float32)  # "a" moves, far too little
     norms = np.array([1.0, 1.0], dtype=np.float32)

@@ -4,7 +4,9 @@ fact about a culprit op is exact."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -266,24 +268,36 @@ def test_capture_tells_inputs_changed_in_place_and_keeps_no_version_for_inferenc
     assert cap.modified()
 
 
+def first_finding(model: nn.Module, run_dir: Path, loss_at: Callable[[int], torch.Tensor], *, lr: float,
+                  observe: bool = True, **options: Any) -> Any:
+    """Train four SGD steps on ``loss_at(step)`` (the loss observed unless ``observe`` is False) and
+    return the run's first finding."""
+    gw.watch(model, run=run_dir, console=False, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(4):
+        loss = loss_at(step)
+        opt.zero_grad()
+        loss.backward()
+        if observe:
+            gw.watcher(model).observe(loss=loss)
+        opt.step()
+    gw.unwatch(model)
+    return gw.open_run(run_dir).findings().iloc[0]
+
+
 def test_a_nan_loss_observed_names_the_samples_of_its_gradient(run_dir: Path) -> None:
     """log(1 - p) is -inf where a sample saturates the sigmoid: the observed loss is inf, the model's output
     finite; the rows of the loss's gradient that the step kept name the sample."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid())
-    gw.watch(model, run=run_dir, console=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(4):
+
+    def loss_at(step: int) -> torch.Tensor:
         x = torch.rand(16, 8)
         if step == 2:
             x[5] = 1000.0
-        loss = -torch.log(1 - model(x)).mean()
-        opt.zero_grad()
-        loss.backward()
-        gw.watcher(model).observe(loss=loss)
-        opt.step()
-    gw.unwatch(model)
-    row = gw.open_run(run_dir).findings().iloc[0]
+        return -torch.log(1 - model(x)).mean()
+
+    row = first_finding(model, run_dir, loss_at, lr=0.1)
     assert (row.step, row.kind, row.data["samples"]["indices"]) == (2, "nonfinite", [5])
     assert row.message.startswith("The model's output is finite but the loss is NaN/Inf (born in the loss function) "
                                   "at step 2; samples to blame: sample 5;")
@@ -292,20 +306,15 @@ def test_a_nan_loss_observed_names_the_samples_of_its_gradient(run_dir: Path) ->
 def test_nan_born_in_the_loss_names_the_samples_of_its_gradient(run_dir: Path) -> None:
     """sqrt(|out - y|) has an infinite gradient where the prediction is exact: the loss, not the model."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    gw.watch(model, run=run_dir, console=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(4):
+
+    def loss_at(step: int) -> torch.Tensor:
         x, y = torch.rand(8, 4), torch.randn(8, 1)
         out = model(x)
         if step == 2:
             y[3] = out[3].detach()  # an exact prediction: d sqrt(|e|)/de is 0 * inf there
-        loss = (out - y).abs().sqrt().mean()
-        opt.zero_grad()
-        loss.backward()
-        gw.watcher(model).observe(loss=loss)
-        opt.step()
-    gw.unwatch(model)
-    row = gw.open_run(run_dir).findings().iloc[0]
+        return (out - y).abs().sqrt().mean()
+
+    row = first_finding(model, run_dir, loss_at, lr=0.01)
     assert (row.step, row.phase, row.layer) == (2, "backward", None)
     assert row.data["root_cause"]["cause"] is None and row.data["samples"]["indices"] == [3]
     assert row.message.startswith("The gradient of the loss with respect to the model's output is already NaN/Inf "
@@ -316,17 +325,13 @@ def test_a_nan_in_every_row_blames_the_batch_not_a_list_of_all_its_samples(run_d
     """A loss whose gradient is NaN in every row (sqrt of 0 for all: a GAN's minibatch-std of a collapsed
     batch) is not a few bad samples: the message says so instead of listing them all."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    gw.watch(model, run=run_dir, console=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(4):
+
+    def loss_at(step: int) -> torch.Tensor:
         out = model(torch.rand(8, 4))
         y = out.detach().clone() if step == 2 else torch.randn(8, 1)
-        loss = (out - y).abs().sqrt().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    gw.unwatch(model)
-    row = gw.open_run(run_dir).findings().iloc[0]
+        return (out - y).abs().sqrt().mean()
+
+    row = first_finding(model, run_dir, loss_at, lr=0.01, observe=False)
     assert (row.step, row.kind) == (2, "nonfinite") and row.data["samples"]["indices"] == list(range(8))
     assert "samples to blame: every sample of the batch (8): not a few bad samples" in row.message
 
@@ -347,17 +352,13 @@ def test_a_nan_through_the_gradient_of_a_second_output_is_not_called_faulty_hard
 
     torch.manual_seed(0)
     model = TwoOutputs()
-    gw.watch(model, run=run_dir, console=False, rules=None)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    for step in range(4):
+
+    def loss_at(step: int) -> torch.Tensor:
         x = torch.rand(8, 4) * (1e4 if step == 2 else 1.0)
         recon, logvar = model(x)
-        loss = F.mse_loss(recon, x) + logvar.exp().mean()  # exp overflows to inf at step 2
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    gw.unwatch(model)
-    row = gw.open_run(run_dir).findings().iloc[0]
+        return F.mse_loss(recon, x) + logvar.exp().mean()  # exp overflows to inf at step 2
+
+    row = first_finding(model, run_dir, loss_at, lr=1e-3, observe=False, rules=None)
     assert (row.kind, row.step, row.data["origin"]) == ("nonfinite", 2, "attributed")
     assert row.data["root_cause"]["cause"] is None
     assert row.message.startswith("NaN/Inf at step 2 was not reproduced by the replay")
