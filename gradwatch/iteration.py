@@ -238,7 +238,7 @@ class Iteration:
         """The step's gradients are what the optimizer applies (after gradwatch's own actions): remember
         one, of the parameter at ``held`` (which the step's optimizer holds), for the next backward pass.
         """
-        grad = self.found.params[held].grad if held < len(self.found.params) else None
+        grad = self.found.params[held].grad
         self.at_step = (held, id(grad), grad._version) if grad is not None else None
 
     def aside(self, closure: Callable[[], Any]) -> Any:

@@ -70,6 +70,12 @@ class Layout:
         """The first layer (in model order) that owns a parameter."""
         return next(self.layers[layer] for layer, p in self.owners if p == param)
 
+    def same_layers(self, other: Layout | None) -> bool:
+        """Whether ``other`` has the same layers, of the same sizes: a newer version of it only froze,
+        unfroze or replaced parameters, and per-layer histories carry over.
+        """
+        return other is not None and (self.layers, self.layer_numel) == (other.layers, other.layer_numel)
+
     def param_layers(self) -> list[str | None]:
         """The layer each parameter belongs to, in parameter order (a tied one: its last owner)."""
         out: list[str | None] = [None] * len(self.params)

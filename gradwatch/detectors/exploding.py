@@ -11,7 +11,7 @@ from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.baseline import Recent, Window
 from gradwatch.detectors.causes import EXPLOSION, LR_HIGH
 from gradwatch.findings import Finding
-from gradwatch.records import PRECLIP, StepRecord
+from gradwatch.records import PRECLIP, Layout, StepRecord
 from gradwatch.wording import layer as _layer
 
 #: the longest baseline window: it holds window x layers numbers
@@ -87,7 +87,7 @@ class Exploding(Detector):
     _global: Window = field(init=False, repr=False)
     _layers: Window = field(init=False, repr=False)
     _version: int = field(default=-1, init=False, repr=False)
-    _names: tuple[tuple[str, ...], tuple[int, ...]] = field(default=((), ()), init=False, repr=False)
+    _layout: Layout | None = field(default=None, init=False, repr=False)  # the layout of the latest version
     _bounds: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
     _recent: Recent = field(init=False, repr=False)  # each layer's last healthy log norms
     _recent_global: Recent = field(init=False, repr=False)  # the global norm's
@@ -128,10 +128,10 @@ class Exploding(Detector):
             return []
         layout = record.layout
         if layout.version != self._version:  # baselines carry over a new layout of the same layers (frozen, unfrozen)
-            if (layout.layers, layout.layer_numel) != self._names or self._version < 0:
+            if not layout.same_layers(self._layout):
                 self._layers, self._recent = Window(self.window, len(layout.layers)), Recent(RECENT, len(layout.layers))
                 self._bounds.clear()  # a new window may reuse the old one's id
-            self._version, self._names = layout.version, (layout.layers, layout.layer_numel)
+            self._version, self._layout = layout.version, layout
         if not math.isfinite(total):
             # nothing enters the baselines; NaN/Inf elements are the nonfinite detector's
             return self._overflow(record, total, norms)

@@ -9,7 +9,7 @@ import numpy as np
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
+from gradwatch.records import Layout, StepRecord
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 
@@ -51,7 +51,7 @@ class Vanishing(Detector):
     patience: int = 10
     _runs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False, repr=False)
     _version: int = field(default=-1, init=False, repr=False)
-    _layers: tuple[tuple[str, ...], tuple[int, ...]] = field(default=((), ()), init=False, repr=False)
+    _layout: Layout | None = field(default=None, init=False, repr=False)  # the layout of the latest version
     _scale: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)  # 1/sqrt(numel)
     _sized: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), init=False, repr=False)
     _dead: bool = field(default=False, init=False, repr=False)  # a leaf was dead on the latest sampled step
@@ -64,10 +64,10 @@ class Vanishing(Detector):
             return []
         layout = record.layout
         if layout.version != self._version:  # counts carry over a new layout of the same layers (frozen, unfrozen)
-            same = self._version >= 0 and (layout.layers, layout.layer_numel) == self._layers
             numel = np.asarray(layout.layer_numel, dtype=np.float64)
-            self._runs = self._runs if same else np.zeros(len(layout.layers), dtype=np.int64)
-            self._version, self._layers = layout.version, (layout.layers, layout.layer_numel)
+            if not layout.same_layers(self._layout):
+                self._runs = np.zeros(len(layout.layers), dtype=np.int64)
+            self._version, self._layout = layout.version, layout
             self._scale, self._sized = 1.0 / np.sqrt(np.maximum(numel, 1.0)), numel > 0
         finite = record.gradients_finite()  # then so is every layer's norm
         if not finite:
