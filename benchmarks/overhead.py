@@ -31,6 +31,11 @@ seed and fed the same batches:
   ``torch.autograd.set_detect_anomaly(True)``;
 - ``foreach``: reference, one ``torch._foreach_norm`` over all gradients per step, read with one
   ``torch.stack(...).cpu()``;
+- ``minimal``: reference, the tensor work of gradwatch's default statistics and nothing else: the
+  ``foreach`` read every step and, every tenth step, the gradients' largest values, the weight
+  norms, a copy of the weights and the norms of the update, and each leaf module's output norm
+  and non-zero count from forward hooks registered for that step, read with one host copy (no
+  detector, record or store: the floor of any watcher that takes these statistics);
 - ``compiled`` and ``gradwatch_compiled`` (only when named in ``--variants``): ``torch.compile(model)``
   alone, and ``gw.watch(torch.compile(model))``; reported against each other.
 

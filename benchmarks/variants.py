@@ -17,7 +17,7 @@ import gradwatch as gw
 from gradwatch import detectors
 
 VARIANTS = ("bare", "gradwatch", "gradwatch_no_origin", "gradwatch_record_only", "gradwatch_stats_only",
-            "gradwatch_all", "naive", "anomaly", "foreach", "compiled", "gradwatch_compiled")
+            "gradwatch_all", "naive", "anomaly", "foreach", "minimal", "compiled", "gradwatch_compiled")
 #: variants measured unless ``--variants`` names them (torch.compile takes a minute per model)
 OPT_IN = ("compiled", "gradwatch_compiled")
 
@@ -121,6 +121,83 @@ def with_foreach(loop: Loop, run_dir: Path) -> None:
     loop.on_backward = read_norms
 
 
+class Minimal:
+    """Reference ``minimal``: the tensor work of gradwatch's default statistics and nothing else.
+
+    Every step: one fused norm over the gradients, read with one host copy. Every
+    ``period``-th step (gradwatch's default sampling period) also: the gradients' largest
+    values and the weights' norms (one fused call each), a copy of the weights before the
+    optimizer step and the norms of the update after it, and each leaf module's output norm and
+    non-zero count from forward hooks registered for that step only; all read with one host copy
+    after the optimizer step. No detector, no record, no store: what a watcher that takes these
+    statistics cannot go below, whatever it does with them.
+    """
+
+    def __init__(self, loop: Loop, period: int = 10) -> None:
+        self.params = [p for p in loop.model.parameters() if p.requires_grad]
+        self.leaves = [m for m in loop.model.modules() if not any(m.children())]
+        self.copies = [torch.empty_like(p) for p in self.params]
+        self.period, self.step = period, 0
+        self.acts: list[Tensor] = []
+        self.counts: list[Tensor] = []
+        self.parts: list[Tensor] = []
+        self.hooks: list[Any] = []
+        #: the latest host read (one per step), and how many values each step read
+        self.last = torch.empty(0)
+        self.sizes: list[int] = []
+        self.handles = [loop.optimizer.register_step_pre_hook(self.pre),
+                        loop.optimizer.register_step_post_hook(self.post)]
+        self.attach()
+        loop.close = self.close
+
+    def sampled(self) -> bool:
+        return self.step % self.period == 0
+
+    def attach(self) -> None:
+        self.hooks = [m.register_forward_hook(self.activation) for m in self.leaves]
+
+    def activation(self, module: nn.Module, args: Any, output: Any) -> None:
+        out = _first_tensor(output).detach()
+        self.acts.append(torch.linalg.vector_norm(out, dtype=torch.float32))
+        self.counts.append(torch.count_nonzero(out))
+
+    def pre(self, *args: Any) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        self.parts = [torch.stack(torch._foreach_norm(grads))]
+        if not self.sampled():
+            self.read()
+            return
+        for handle in self.hooks:
+            handle.remove()
+        self.parts += [torch.stack(torch._foreach_norm(grads, float("inf"))),
+                       torch.stack(torch._foreach_norm(self.params))]
+        torch._foreach_copy_(self.copies, self.params)
+
+    def post(self, *args: Any) -> None:
+        if self.sampled():
+            torch._foreach_sub_(self.copies, self.params)
+            self.parts += [torch.stack(torch._foreach_norm(self.copies))]
+            if self.acts:
+                self.parts += [torch.stack(self.acts), torch.stack(self.counts).float()]
+            self.read()
+            self.acts, self.counts = [], []
+        self.step += 1
+        if self.sampled():
+            self.attach()
+
+    def read(self) -> None:
+        self.last = torch.cat(self.parts).cpu()
+        self.sizes.append(self.last.numel())
+
+    def close(self) -> None:
+        for handle in self.handles + self.hooks:
+            handle.remove()
+
+
+def with_minimal(loop: Loop, run_dir: Path) -> None:
+    Minimal(loop)
+
+
 def with_compile(loop: Loop, run_dir: Path, watched: bool) -> None:
     """``torch.compile`` the model (``gw.watch(torch.compile(model))`` when ``watched``)."""
     model = loop.model
@@ -144,6 +221,7 @@ SETUP: dict[str, Callable[[Loop, Path], None]] = {
     "naive": with_naive,
     "anomaly": with_anomaly,
     "foreach": with_foreach,
+    "minimal": with_minimal,
     "compiled": lambda loop, run_dir: with_compile(loop, run_dir, watched=False),
     "gradwatch_compiled": lambda loop, run_dir: with_compile(loop, run_dir, watched=True),
 }

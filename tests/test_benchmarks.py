@@ -55,3 +55,38 @@ def test_the_rollout_workload_and_the_memory_peaks_are_measured(tmp_path: Path) 
     assert set(peaks) == {"bare", "gradwatch", "gradwatch_rollback"}
     assert all(p["peak_rss"] > 0 for p in peaks.values())
     assert memory["gradwatch_rss_overhead"] == peaks["gradwatch"]["peak_rss"] - peaks["bare"]["peak_rss"]
+
+
+def test_the_minimal_reference_takes_the_default_statistics_and_nothing_else() -> None:
+    """``minimal``, the floor the targets are set against, reads what gradwatch's default reads:
+    every step the gradient norms; every tenth also the largest values, the weight norms, the
+    update norms and each leaf call's output norm and non-zero count, its hooks in place then only.
+    """
+    load_overhead()  # puts the benchmark's modules on the path
+    import torch
+    import variants
+    import workloads
+
+    mlp = workloads.WORKLOADS["mlp"]
+    loop = variants.make_loop(mlp, mlp.batches()[:2])
+    reference = variants.Minimal(loop)
+    leaves = reference.leaves
+    hooked: list[int] = []
+    lr = loop.optimizer.param_groups[0]["lr"]
+    P, L = len(reference.params), len(leaves)
+    grads_before_step: list[torch.Tensor] = []
+    loop.on_backward = lambda: grads_before_step.extend(p.grad.clone() for p in reference.params)
+    for step in range(12):
+        hooked.append(sum(len(m._forward_hooks) for m in leaves))
+        grads_before_step.clear()
+        loop.step()
+        if step % 10 == 0:  # sampled: grad norms, largest values, weights, updates, then two per leaf call
+            norms = torch.stack([g.norm() for g in grads_before_step])
+            assert torch.allclose(reference.last[:P], norms)
+            assert torch.allclose(reference.last[P:2 * P], torch.stack([g.abs().max() for g in grads_before_step]))
+            # plain SGD: the update is the learning rate times the gradient
+            assert torch.allclose(reference.last[3 * P:4 * P], lr * norms, rtol=1e-3)
+    assert reference.sizes == [4 * P + 2 * L] + [P] * 9 + [4 * P + 2 * L] + [P]
+    assert hooked == [L] + [0] * 9 + [L] + [0]
+    reference.close()
+    assert sum(len(m._forward_hooks) for m in leaves) == 0
