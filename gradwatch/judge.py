@@ -69,6 +69,14 @@ class Judge:
         """Run the detectors that judge a step's applied update (one step later)."""
         return self._run(self._late, record)
 
+    def check_loss(self, record: StepRecord) -> list[Finding]:
+        """Judge a loss that reached its step after the step's moment (observed after
+        ``optimizer.step()``: :mod:`gradwatch.openstep`): the loss detector, and the non-finite one
+        when the loss is not finite while the gradients were (else the step's finding said so).
+        """
+        bad = not math.isfinite(record.scalars["loss"]) and record.gradients_finite()
+        return self._run([d for d in self._now if d.kind == "loss_spike" or (bad and d.kind == "nonfinite")], record)
+
     def _run(self, running: list[detectors.Detector], record: StepRecord) -> list[Finding]:
         if not self._guarded:
             return [f for d in running for f in d.check(record)]

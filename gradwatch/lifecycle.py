@@ -24,10 +24,11 @@ from gradwatch.iteration import Iteration, guarded
 from gradwatch.judge import Judge
 from gradwatch.layout import Discovered, unwrap
 from gradwatch.measure import Launched, Measure
+from gradwatch.openstep import Open
 from gradwatch.optimizers import Optimizers, closure_at, measured_closure, replace_closure
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
-from gradwatch.recording import Open, Recording
+from gradwatch.recording import Recording
 from gradwatch.records import AMP_SCALE, CLOSURE_EVALUATIONS, GRAD_STALE, StepRecord
 from gradwatch.relayout import Looks
 from gradwatch.snapshots import Snapshots, rng_state
@@ -43,6 +44,7 @@ class Measured:
     scalars: dict[str, float]
     total: float  # the global gradient norm
     nonfinite: bool  # some gradient holds inf or NaN
+    counts: dict[str, int]  # how many values of each observed name the read took
 
 
 class Lifecycle(Recording):
@@ -190,11 +192,11 @@ class Lifecycle(Recording):
         self.it.applied(self.it.sentinel if held is None else held)  # were they cleared by the next backward?
         if self.control.skipping:                                   # branch: skipped or rolled back
             record.skipped = True
-            return Open(record, skip=True)
+            return Open(record, skip=True, counts=measured.counts)
         self.control.healthy()
         if self.snapshots is not None and not self.snapshots_failed and not any(f.severity != "info" for f in findings):
             self._keep_snapshot(record.step)
-        return Open(record, before=self.measure.snapshot(measured.launched))  # recorded when it closes
+        return Open(record, before=self.measure.snapshot(measured.launched), counts=measured.counts)  # closes later
 
     def _overflowed(self, step: int, now: float, measured: Measured) -> None:
         """A step whose unscaled gradients are not finite: the GradScaler skips it (a framework said so)."""
@@ -229,13 +231,13 @@ class Lifecycle(Recording):
         refs = refs if refs is not None and not launched.sharded and preclip.changed(refs, self.found.params) else None
         scale = self._loss_scale() if refs is not None else None
         ref_parts = preclip.parts(refs, scale) if refs is not None else []
-        pending = self.pending.update_parts if self.pending is not None else []
-        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *ref_parts, *pending])  # the step's one read
+        upd, late = (self.pending.update_parts, self.pending.late_parts()) if self.pending is not None else ([], [])
+        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *ref_parts, *upd, *late])  # the step's one read
         if launched.sharded and self.group is not None:  # FSDP: the shards' statistics make the model's
             spans = self.measure.spans(launched)
-            if pending:
+            if upd:
                 start = launched.size + len(obs_parts) + len(lr_parts)
-                spans.append((start, start + sum(p.numel() for p in pending), "norm"))
+                spans.append((start, start + sum(p.numel() for p in upd), "norm"))
             host = self.group.combine(host, spans)
         k = launched.size
         gnorm = host[:len(launched.gidx)]
@@ -255,8 +257,8 @@ class Lifecycle(Recording):
         if sampled and not self.sampled(step + 1):
             self.it.probe.detach_activations()
         # a finite total means finite norms; an infinite one may come from finite norms (overflow)
-        return Measured(launched, vectors, scalars, total,
-                        nonfinite=not math.isfinite(total) and not np.isfinite(gnorm).all())
+        return Measured(launched, vectors, scalars, total, nonfinite=not math.isfinite(total) and not
+                        np.isfinite(gnorm).all(), counts={name: len(values) for name, values in observed.items()})
 
     def _loss_scale(self) -> torch.Tensor | None:
         """The scale of the GradScaler that scaled this step's backward pass, if one did (on the device)."""

@@ -10,7 +10,6 @@ import numbers
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,10 +18,12 @@ import torch
 from gradwatch import observed as obs
 from gradwatch import stats
 from gradwatch.control import LoopControl
+from gradwatch.findings import Finding
 from gradwatch.iteration import Iteration, guarded
 from gradwatch.judge import Judge
 from gradwatch.layout import Discovered
 from gradwatch.measure import Measure
+from gradwatch.openstep import Open
 from gradwatch.optimizers import Optimizers
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
@@ -32,20 +33,6 @@ from gradwatch.snapshots import Snapshots
 from gradwatch.writer import Writer
 
 log = logging.getLogger("gradwatch")
-
-
-@dataclass
-class Open:
-    """A step between its optimizer pre-hook and the start of the next iteration."""
-
-    record: StepRecord
-    optimizers: set[int] = field(default_factory=set)
-    stepped: set[int] = field(default_factory=set)  # the optimizers whose step has returned
-    before: dict[int, torch.Tensor] = field(default_factory=dict)  # weights before the update
-    update_idx: list[int] = field(default_factory=list)
-    update_parts: list[torch.Tensor] = field(default_factory=list)  # 1-D: ||delta w||, one value per update_idx
-    skip: bool = False  # an action decided that this step changes nothing
-
 
 
 class Recording:
@@ -231,8 +218,8 @@ class Recording:
             step.update_idx += idx
             step.update_parts += parts
         step.before.clear()
-        if step.update_parts:
-            self.pending = step
+        if step.update_parts or step.late:
+            self.pending = step  # its update norms or late values come with the next host read
         else:
             self.submit(step.record)
 
@@ -262,26 +249,36 @@ class Recording:
         self._record_pending(stats.to_host(self._pending_parts()))
 
     def _pending_parts(self) -> list[torch.Tensor]:
-        """Update norms of the pending step to read apart (none for FSDP shards': a step's read combines them)."""
+        """What the pending step reads apart: its update norms (none for FSDP shards': a step's read
+        combines them), then its late values.
+        """
+        if self.pending is None:
+            return []
         sharded = self.group is not None and self.measure.sharded
-        return self.pending.update_parts if self.pending is not None and not sharded else []
+        return [*(self.pending.update_parts if not sharded else []), *self.pending.late_parts()]
 
     def _record_pending(self, host: np.ndarray) -> None:
-        """Complete the previous sampled step with its update norms (none in ``host``: see
-        :meth:`_pending_parts`), judge its update, and record it.
+        """Complete the previous step with its update norms (none in ``host``: see
+        :meth:`_pending_parts`) and late values (last in ``host``), judge them, and record it.
         """
         pending, self.pending = self.pending, None
         assert pending is not None
-        if len(host) == 0 and pending.update_idx:
-            self.submit(pending.record)
-            return
-        self.measure.update_ratios(pending.record.vectors, pending.update_idx, host)
-        late = self.judge.check_late(pending.record)
+        nlate = len(pending.late_parts())
+        host, late_host = host[:len(host) - nlate], host[len(host) - nlate:]
+        late = self._judge_loss(pending, pending.fold(late_host)) if pending.late else []
+        if len(host) and pending.update_idx:
+            self.measure.update_ratios(pending.record.vectors, pending.update_idx, host)
+            late += self.judge.check_late(pending.record)
         if late:
             pending.record.logged = pending.record.detail = True
         self.submit(pending.record)
         if late:
             self.judge.defer(late)
+
+    def _judge_loss(self, step: Open, loss: float | None) -> list[Finding]:
+        """Judge a loss that reached a measured step after its moment (:mod:`gradwatch.openstep`)."""
+        measured = "grad_norm" in step.record.scalars  # not a step an integration left out
+        return self.judge.check_loss(step.record) if loss is not None and measured else []
 
     def submit(self, record: StepRecord) -> None:
         """Hand a finished step to the writer thread (and the flight recorder)."""

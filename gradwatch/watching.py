@@ -18,6 +18,7 @@ from gradwatch.errors import GradwatchError, GroupLeft, InternalWarning, Trainin
 from gradwatch.judge import Judge
 from gradwatch.layout import discover
 from gradwatch.lifecycle import Lifecycle
+from gradwatch.openstep import into
 from gradwatch.options import Options
 from gradwatch.origin import Tracker
 from gradwatch.rootcause import loader
@@ -76,11 +77,12 @@ class Watcher:
         return self._steps.found.layout.layers
 
     def observe(self, *, sample_ids: Any = None, sample_losses: Any = None, **scalars: Any) -> None:
-        """Record extra scalars (``loss=``, ``lr=`` ...) for the step that follows.
+        """Record extra scalars (``loss=``, ``lr=`` ...) for the step that follows; a loss observed
+        after ``optimizer.step()``, before the next forward call, is the step's just taken.
 
-        Values may be Python numbers or one-element tensors (read with the step's single host
-        read, never here). Several values of one name before a step are averaged. Once the
-        watcher is closed (or detached after an internal failure) values are checked, then dropped.
+        Values may be Python numbers or one-element tensors (read with a step's single host read,
+        never here). Several values of one name for a step are averaged. Once the watcher is
+        closed (or detached after an internal failure) values are checked, then dropped.
 
         ``sample_ids`` (a sequence or 1-D tensor, in batch order) names the samples findings blame
         (and a rule's ``skip_samples`` leaves out); ``sample_losses`` (one per sample) tells a loss
@@ -98,8 +100,8 @@ class Watcher:
             return
         if samples and self._steps.tracker is not None:
             self._steps.tracker.note(**samples)
-        for name, value in values.items():
-            self._steps.it.observed.setdefault(name, []).append(value)
+        for name, value in values.items():  # the step that follows, or the one just taken (gradwatch.openstep)
+            into(self._steps.open, self._steps.it.observed, name, scalars[name]).setdefault(name, []).append(value)
 
     def flush(self) -> None:
         """Block until every step trained so far is on disk (see ``Recording.settle`` for the latest one)."""

@@ -104,7 +104,7 @@ class Net(nn.Module):
         return self.head(self.body(x))
 
 
-def train(model: nn.Module, steps: int, *, clip: bool = False, accumulate: int = 1) -> None:
+def train(model: nn.Module, steps: int, *, clip: bool = False, accumulate: int = 1, late: bool = False) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
@@ -113,22 +113,27 @@ def train(model: nn.Module, steps: int, *, clip: bool = False, accumulate: int =
             x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
             loss = F.mse_loss(model(x), y)
             loss.backward()
-            gw.watcher(model).observe(loss=loss)
+            if not late:
+                gw.watcher(model).observe(loss=loss)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
+        if late:  # observed after the step: read with the next step's host read
+            gw.watcher(model).observe(loss=loss)
 
 
-@pytest.mark.parametrize("loop", ["plain", "clipped", "accumulated"])
+@pytest.mark.parametrize("loop", ["plain", "clipped", "accumulated", "observed_after_step"])
 def test_hooks_never_read_a_tensor_and_each_step_reads_once(run_dir: Path, loop: str) -> None:
     with counted() as reads:
         model = Net()
         gw.watch(model, run=run_dir, sample_every=5, console=False)  # rules and origin tracking at their defaults
-        train(model, 3, clip=loop == "clipped", accumulate=2 if loop == "accumulated" else 1)  # warm-up
+        kinds = {"clip": loop == "clipped", "accumulate": 2 if loop == "accumulated" else 1,
+                 "late": loop == "observed_after_step"}
+        train(model, 3, **kinds)  # warm-up
         reads.hooks.clear()
         reads.step.clear()
         steps = 7  # steps 3..9: one of them (5) sampled
-        train(model, steps, clip=loop == "clipped", accumulate=2 if loop == "accumulated" else 1)
+        train(model, steps, **kinds)
         gw.unwatch(model)
     assert reads.hooks == Counter(), f"gradwatch's hooks read tensors: {dict(reads.hooks)}"
     assert reads.step == Counter({"cpu": steps, "numpy": steps}), (
