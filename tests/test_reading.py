@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
+from gradwatch.errors import DamagedStoreError
 from gradwatch.store.schema import DB_NAME
 
 from .conftest import train
@@ -58,6 +59,16 @@ def run(run_dir: Path) -> gw.Run:
 def test_unknown_names_raise_with_the_valid_ones_listed(run: gw.Run, call, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):
         call(run)
+
+
+def test_a_closed_run_says_it_is_closed_not_damaged(run: gw.Run) -> None:
+    with run:
+        assert run.steps == 13
+    assert repr(run) == f"Run({str(run.path)!r}, closed)"
+    for read in (lambda: run.steps, lambda: run.scalars(), lambda: run.findings(), lambda: run.layout()):
+        with pytest.raises(gw.RunError, match=r"was closed .*open it again") as caught:
+            read()
+        assert not isinstance(caught.value, DamagedStoreError)
 
 
 def test_known_names_read_as_before(run: gw.Run) -> None:

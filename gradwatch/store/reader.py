@@ -54,6 +54,7 @@ class Run(Series):
             raise RunError(f"cannot read {str(p)!r}: {exc.strerror or exc}") from None
         self.path = db.parent
         self._db = db
+        self._closed = False
         try:
             self._conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
             version = self._conn.execute("PRAGMA user_version").fetchone()[0]
@@ -80,6 +81,8 @@ class Run(Series):
 
     # ----------------------------------------------------------------- metadata
     def __repr__(self) -> str:
+        if self._closed:
+            return f"Run({str(self.path)!r}, closed)"
         status = self.status
         live = ", live: still being written" if status == "running" else ""
         return f"Run({str(self.path)!r}, steps={self.steps}, status={status!r}{live})"
@@ -91,13 +94,17 @@ class Run(Series):
         self.close()
 
     def close(self) -> None:
-        """Close the database connection."""
+        """Close the database connection (reading the run afterwards raises :class:`RunError`)."""
         self._conn.close()
+        self._closed = True
 
     def _query(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
         try:
             return self._conn.execute(sql, tuple(args)).fetchall()
         except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:  # a damaged schema's message may not decode
+            if self._closed:  # not damaged: read after close() or its ``with`` block
+                raise RunError(f"the run at {str(self.path)!r} was closed (by close() or at the end of its "
+                               "'with gw.open_run(...)' block): read it inside the block, or open it again") from None
             raise decode.sqlite_error(self._db, exc) from None
 
     @property
