@@ -113,6 +113,8 @@ class Iteration:
         self.stale = 0
         #: a backward pass has begun and its end is not reached yet (its start is told once)
         self.began = False
+        #: a forward call was seen since the last step opened; it was when the open step opened
+        self.forwarded = self.seen = False
         self._activations = options.activations
         self.sentinel = 0
         #: the reference gradients' norms at the end of the last backward pass (:mod:`gradwatch.preclip`)
@@ -151,7 +153,7 @@ class Iteration:
         steps = self._steps
         if steps.closed:
             return
-        self.began = False
+        self.began, self.forwarded = False, True
         if steps.has_open_step():
             steps.close_step()
         if self.backward is not None and self.carry is None:
@@ -231,6 +233,9 @@ class Iteration:
         """An optimizer step opens: the iterations since the last one are its micro-batches."""
         self.probe.quiet = False  # the next forward call closes the step
         self.backward, self.served = None, False
+        # the step's forward call was seen: the next one closes the step, a value observed before it is
+        # the step's (gradwatch.openstep); not so under ``torch.compile(watched)``, whose graph runs the hooks
+        self.seen, self.forwarded = self.forwarded, False
         self.stale, self.uncleared, self.at_step = (self.stale + 1 if self.uncleared else 0), False, None
         self.merge_carry()
 

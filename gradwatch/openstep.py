@@ -18,7 +18,7 @@ step after its moment, and a finding acts at the next step's moment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,14 +26,21 @@ import torch
 from gradwatch import observed as obs
 from gradwatch.records import StepRecord
 
+if TYPE_CHECKING:
+    from gradwatch.iteration import Iteration
 
-def into(step: Open | None, following: obs.Observed, name: str, value: Any) -> obs.Observed:
-    """Where a value observed now goes: ``following`` (the values of the step that follows), or
-    the late values of ``step``, the open step, when it is that step's (see the module's text).
+
+def into(step: Open | None, it: Iteration, name: str, value: Any) -> obs.Observed:
+    """Where a value observed now goes: the iteration's (for the step that follows), or the late
+    values of ``step``, the open step, when it is that step's (see the module's text).
+
+    Only where the step's own forward call was seen: under ``torch.compile(watched)`` the root's
+    hooks run inside the compiled graph, no forward call closes the step, and a loss observed
+    before the next ``optimizer.step()`` could be the next iteration's.
     """
-    if step is not None and (name == "loss" or (isinstance(value, torch.Tensor) and value.requires_grad)):
+    if step is not None and it.seen and (name == "loss" or (isinstance(value, torch.Tensor) and value.requires_grad)):
         return step.late
-    return following
+    return it.observed
 
 
 @dataclass

@@ -101,7 +101,7 @@ class Watcher:
         if samples and self._steps.tracker is not None:
             self._steps.tracker.note(**samples)
         for name, value in values.items():  # the step that follows, or the one just taken (gradwatch.openstep)
-            into(self._steps.open, self._steps.it.observed, name, scalars[name]).setdefault(name, []).append(value)
+            into(self._steps.open, self._steps.it, name, scalars[name]).setdefault(name, []).append(value)
 
     def flush(self) -> None:
         """Block until every step trained so far is on disk (see ``Recording.settle`` for the latest one)."""
