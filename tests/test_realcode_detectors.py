@@ -92,6 +92,52 @@ def test_a_single_large_update_after_healthy_ones_at_the_same_lr_is_not_the_lear
     assert found.data["lr"] == 10.0, "a learning rate raised 1000x is named at once"
 
 
+def test_a_learning_rate_raised_tenfold_is_too_high_at_a_lower_bar_when_the_updates_grew_with_it() -> None:
+    """A 100x learning rate between two sampled steps: half the weights move by 14% (below ``high_median``),
+    47x the previous step's. A warmup's tenfold raise from near 0 moves them by a few % and is not named."""
+    lay = layout({"a": 1000, "b": 100})
+    common = {"param_norm": [1.0, 1.0], "grad_norm": [1.0, 1.0], "grad_nonfinite": [0, 0]}
+    detector = LearningRate()
+    assert detector.check(record(lay, 140, scalars={"lr": 1.5e-3}, update_ratio=[0.004, 0.01], **common)) == []
+    assert detector.check(record(lay, 150, scalars={"lr": 1.3e-3}, update_ratio=[0.003, 0.01], **common)) == []
+    (found,) = detector.check(record(lay, 160, scalars={"lr": 0.118}, update_ratio=[0.142, 0.169], **common))
+    assert (found.kind, found.step, found.data["median"]) == ("learning_rate", 160, pytest.approx(0.142))
+    assert "after it was raised 90.8x (0.0013 -> 0.118) since the previous sampled step" in found.message
+    warmup = LearningRate()
+    assert warmup.check(record(lay, 0, scalars={"lr": 1e-4}, update_ratio=[0.005, 0.005], **common)) == []
+    assert warmup.check(record(lay, 10, scalars={"lr": 1.1e-3}, update_ratio=[0.055, 0.06], **common)) == []
+    same = LearningRate()  # the same updates without a raise: a lasting lr is judged by the usual bar
+    assert same.check(record(lay, 0, scalars={"lr": 0.1}, update_ratio=[0.003, 0.01], **common)) == []
+    assert same.check(record(lay, 10, scalars={"lr": 0.1}, update_ratio=[0.142, 0.169], **common)) == []
+
+
+@pytest.mark.parametrize(("schedule", "raised"), [
+    ([0.0, 1e-4, 2e-4, 3e-4, 4e-4, 5e-4], None),  # a linear warmup from 0
+    ([1e-4, 2e-4, 3e-4, 4e-4, 5e-4, 6e-4], None),  # one from base / warmup: at most 2x a step
+    ([1e-3, 9e-4, 8e-4, 1e-1, 1e-1, 1e-1], (3, 8e-4, 1e-1)),  # multiplied by hand at step 3
+])
+def test_a_raised_learning_rate_is_a_tenfold_jump_from_one_step_to_the_next(
+        schedule: list[float], raised: tuple[int, float, float] | None) -> None:
+    lay = layout({"a": 10})
+    spike = LossSpike()
+    for step, lr in enumerate(schedule):
+        spike.check(record(lay, step, scalars={"lr": lr}))
+    assert spike.causes.raised(len(schedule) - 1) == raised
+    assert spike.causes.raised(len(schedule) - 1 + 20) is None  # more than 10 steps later: not blamed
+
+
+def test_a_loss_spike_right_after_a_raised_learning_rate_names_it() -> None:
+    lay = layout({"a": 10})
+    spike = LossSpike()
+    losses = [1.0 - 0.01 * k for k in range(15)] + [6.0]
+    found = [f for step, loss in enumerate(losses)
+             for f in spike.check(record(lay, step, scalars={"loss": loss, "lr": 1e-3 if step < 14 else 0.1}))]
+    (finding,) = found
+    assert (finding.step, finding.data["cause"], finding.data["lr_raised_at"]) == (15, "learning_rate", 14)
+    assert finding.message.endswith("The learning rate was raised 100x at step 14 (0.001 -> 0.1): the likely cause.")
+    assert spike.causes.named(LR_HIGH, 15)
+
+
 def test_weights_growing_geometrically_name_the_learning_rate() -> None:
     lay = layout({"a": 100, "b": 100})
     detector = LearningRate()
@@ -198,3 +244,48 @@ def test_real_code_findings_are_the_same_re_judged_offline(script: Any, config: 
         live, again = run.findings(), rejudge(run)
     key = ["step", "kind", "severity", "layer"]
     assert len(live) and again[key].fillna("-").values.tolist() == live[key].fillna("-").values.tolist()
+
+
+def _warmup_cosine_loop(run: Path, raise_at: int | None) -> None:
+    """AdamW with a linear warmup and a cosine decay, clip_grad_norm_, the loss observed after the step:
+    the usual transformer recipe, on a small regression; the learning rate multiplied by 100 at ``raise_at``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    total, warm = 120, 20
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + np.cos(np.pi * (s - warm) / (total - warm))))
+    gw.watch(model, run=run, console=False)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 1, generator=gen)
+    for step in range(total):
+        if step == raise_at:
+            for group in opt.param_groups:
+                group["lr"] *= 100
+        x = torch.randn(32, 16, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), x @ w)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if raise_at is None or step < raise_at:
+            sched.step()
+        gw.watcher(model).observe(loss=loss)
+    gw.unwatch(model)
+
+
+@pytest.mark.parametrize("raise_at", [None, 80, 85])  # on a sampled step, and between two
+def test_a_learning_rate_multiplied_mid_run_is_named_whichever_step_it_lands_on(tmp_path: Path,
+                                                                              raise_at: int | None) -> None:
+    _warmup_cosine_loop(tmp_path / "run", raise_at)
+    with gw.open_run(tmp_path / "run") as run:
+        findings = run.findings()
+    if raise_at is None:
+        assert findings.empty, findings[["step", "kind", "message"]]
+        return
+    assert not (findings["step"] < raise_at).any()
+    first = findings.iloc[0]
+    assert first.step <= (raise_at // 10 + 1) * 10, "named by the next sampled step at the latest"
+    assert first.data["cause"] == "learning_rate", findings[["step", "kind", "message"]]
+    assert "raised" in first.message

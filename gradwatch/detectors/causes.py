@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 #: a cause named this many steps ago or less still explains what the other detectors see
 QUIET_STEPS = 100
 
@@ -11,6 +14,12 @@ LR_HIGH = "learning_rate_high"
 LR_LOW = "learning_rate_low"
 #: the gradient norm exploded (named by ``exploding``): a large update on that step is its consequence
 EXPLOSION = "explosion"
+
+#: a learning rate at least this many times the previous step's was raised by hand (or a schedule
+#: restarted): a linear warmup raises it by at most 2x per step after its first, from any value above 0
+RAISED = 10.0
+#: steps after a raise that a spike or an explosion is blamed on it
+RAISE_STEPS = 10
 
 
 class Causes:
@@ -25,6 +34,25 @@ class Causes:
 
     def __init__(self) -> None:
         self._named: dict[str, int] = {}
+        self._lr: dict[int, float] = {}  # the learning rate of the latest steps (seen by ``lr_of``)
+
+    def lr_of(self, record: Any) -> None:
+        """Remember the step's learning rate (each detector that asks :meth:`raised` tells it every step)."""
+        lr = record.scalars.get("lr")
+        if lr is not None and math.isfinite(lr) and record.step not in self._lr:
+            self._lr[record.step] = lr
+            for old in [s for s in self._lr if s <= record.step - RAISE_STEPS - 1]:
+                del self._lr[old]
+
+    def raised(self, step: int) -> tuple[int, float, float] | None:
+        """The latest step at most ``RAISE_STEPS`` before ``step`` whose learning rate was raised
+        ``RAISED`` times or more from the step before (not from 0: a warmup), as (step, before, after).
+        """
+        for k in range(step, step - RAISE_STEPS - 1, -1):
+            before, after = self._lr.get(k - 1), self._lr.get(k)
+            if before is not None and after is not None and before > 0 and after >= RAISED * before:
+                return k, before, after
+        return None
 
     def note(self, cause: str, step: int) -> None:
         """``cause`` was named by a finding at ``step``."""
@@ -34,3 +62,28 @@ class Causes:
         """Whether ``cause`` was named at most ``within`` steps before ``step``."""
         last = self._named.get(cause)
         return last is not None and 0 <= step - last <= within
+
+
+#: what to do about a learning rate raised just before a spike or an explosion
+HINT_RAISED = (
+    "the learning rate was raised just before: put it back (a scheduler or a manual change that multiplied it), "
+    "or raise it gradually with a warmup"
+)
+
+
+def raised_lr(causes: Causes, step: int, data: dict[str, Any]) -> str:
+    """A spike's or an explosion's words on the learning rate: named too high within the last
+    ``QUIET_STEPS``, or raised ``RAISED`` times or more just before ``step`` (then named as the
+    cause: see :meth:`Causes.named`); ``data`` gains the cause (and the raise). Empty otherwise.
+    """
+    if causes.named(LR_HIGH, step):  # a consequence of it: still reported, and said so
+        data["cause"] = "learning_rate"
+        return " The learning rate was named too high before: lower it."
+    found = causes.raised(step)
+    if found is None:
+        return ""
+    at, before, after = found
+    causes.note(LR_HIGH, step)
+    data.update(cause="learning_rate", lr_raised_at=at, lr_before=before, lr=after, hint=HINT_RAISED)
+    return (f" The learning rate was raised {after / before:.3g}x at step {at} ({before:.3g} -> {after:.3g}): "
+            "the likely cause.")

@@ -9,7 +9,7 @@ import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.baseline import Recent, Window
-from gradwatch.detectors.causes import EXPLOSION, LR_HIGH
+from gradwatch.detectors.causes import EXPLOSION, raised_lr
 from gradwatch.findings import Finding
 from gradwatch.records import PRECLIP, Layout, StepRecord
 from gradwatch.wording import layer as _layer
@@ -122,6 +122,7 @@ class Exploding(Detector):
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Judge the step's norms against the baselines, then add the unflagged ones."""
+        self.causes.lr_of(record)
         total = record.scalars.get(PRECLIP, record.scalars.get("grad_norm"))
         norms = record.vector("grad_norm")
         if record.skipped or total is None or norms is None:
@@ -192,9 +193,7 @@ class Exploding(Detector):
         data = {**judged, "limit": self.limit if over else None,
                 "layers": [layout.layers[i] for i in flagged[np.argsort(-l_excess[flagged])]][:20],
                 "hint": HINT_CLIPPED if PRECLIP in record.scalars else HINT}
-        if self.causes.named(LR_HIGH, record.step):  # still acted on (clipped), but known to follow from it
-            data["cause"] = "learning_rate"
-            message += " The learning rate was named too high before: lower it."
+        message += raised_lr(self.causes, record.step, data)  # still acted on (clipped), but known to follow from it
         return [self.finding(record, "error" if over else "warning", layer, message, value=value, data=data)]
 
     def _overflow(self, record: StepRecord, total: float, norms: np.ndarray) -> list[Finding]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.detectors.causes import EXPLOSION, LR_HIGH, LR_LOW
+from gradwatch.detectors.causes import EXPLOSION, LR_HIGH, LR_LOW, RAISED
 from gradwatch.findings import Finding
 from gradwatch.records import CLOSURE_EVALUATIONS, PARAM, StepRecord
 
@@ -37,7 +37,10 @@ class LearningRate(Detector):
     the previous sampled step (at most ``growth`` times between two sampled steps fewer than 10
     steps apart). Either is the learning rate's on the first step judged, when it lasts (the
     previous sampled step or interval was too large too) or when the learning rate was raised
-    since the previous sampled step; a single large update after healthy ones at the same
+    since the previous sampled step. A learning rate raised ``RAISED`` (10) times or more since the
+    previous sampled step is too high at a lower bar: the median layer's ratio at least
+    ``high_raised`` and ten times the previous sampled step's (the updates grew with it: a warmup
+    from near 0 moves weights by a few 1e-2 at most); a single large update after healthy ones at the same
     learning rate is a gradient's (a corrupted batch: ``exploding``, ``loss_spike``), and so is
     a large update on a step whose gradient exploded. Steps whose closure was evaluated more than
     once (``closure_evaluations``: a line search such as L-BFGS's sized the step) are not judged
@@ -53,6 +56,7 @@ class LearningRate(Detector):
     Attributes:
         high: the largest layer's update ratio, at least, for a too-high learning rate.
         high_median: the median layer's update ratio (weighted by parameters), at least, for a too-high one.
+        high_raised: the same, at least, right after the learning rate was raised 10x or more.
         growth: parameter-norm growth per 10 steps that is geometric (too-high learning rate).
         low: every layer's update ratio below this is a too-low learning rate.
         patience_low: consecutive sampled steps for a too-low learning rate.
@@ -61,9 +65,11 @@ class LearningRate(Detector):
     kind = "learning_rate"
     late = True
     bounds = {"high": Bound(0, open_low=True), "high_median": Bound(0, open_low=True),
+              "high_raised": Bound(0, open_low=True),
               "growth": Bound(1, open_low=True), "low": Bound(0, open_low=True), "patience_low": Bound(1)}
     high: float = 0.5
     high_median: float = 0.2
+    high_raised: float = 0.1
     growth: float = 2.0
     low: float = 1e-5
     patience_low: int = 2
@@ -76,6 +82,7 @@ class LearningRate(Detector):
     _intervals: int = field(default=0, init=False, repr=False)  # intervals between sampled steps judged
     _grew: bool = field(default=False, init=False, repr=False)  # the previous interval's weights grew too fast
     _prev_lr: float | None = field(default=None, init=False, repr=False)
+    _prev_median: float = field(default=0.0, init=False, repr=False)  # the previous judged step's median ratio
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Judge a sampled step's update ratios and parameter norms."""
@@ -115,16 +122,23 @@ class LearningRate(Detector):
         median = _weighted_median(ratio[idx], np.asarray(record.layout.layer_numel, dtype=np.float64)[idx])
         top = int(idx[np.argmax(ratio[idx])])
         largest = float(ratio[top])
-        high = median >= self.high_median and largest >= self.high
+        # raised by hand (or a schedule restart) since the previous sampled step, the updates with it
+        jumped = (lr is not None and self._prev_lr is not None and lr >= RAISED * self._prev_lr > 0
+                  and median >= max(self.high_raised, RAISED * self._prev_median))
+        high = (median >= self.high_median and largest >= self.high) or jumped
         due = self._judged == 0 or self._was_high or raised
-        self._judged, self._was_high = self._judged + 1, high
+        self._judged, self._was_high, self._prev_median = self._judged + 1, high, median
         if not high or not due or own or self._named(record):
             return []
         if self.causes.named(EXPLOSION, record.step, within=0):
             return []  # the gradient exploded on this step: its large update is the explosion's consequence
         self.causes.note(LR_HIGH, record.step)
         name, type_ = record.layout.layers[top], record.layout.layer_types[top]
-        message = (f"learning rate too high for {name} ({type_}): update is {largest:.2g}x the weights at step "
+        since = ""
+        if jumped and lr is not None and self._prev_lr is not None:
+            since = (f" after it was raised {lr / self._prev_lr:.3g}x ({self._prev_lr:.3g} -> {lr:.3g}) since the "
+                     "previous sampled step")
+        message = (f"learning rate too high for {name} ({type_}){since}: update is {largest:.2g}x the weights at step "
                    f"{record.step} (half the weights move by {median:.2g}x or more; healthy runs: ~1e-3); lower "
                    "it or add warmup.")
         data = {"direction": "high", "evidence": "update_ratio", "update_ratio": largest, "median": median,

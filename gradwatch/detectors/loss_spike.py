@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.baseline import Values
-from gradwatch.detectors.causes import LR_HIGH
+from gradwatch.detectors.causes import LR_HIGH, raised_lr
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 
@@ -88,6 +88,7 @@ class LossSpike(Detector):
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Judge the step's loss, then fold it in if it was neither a spike nor a divergence."""
+        self.causes.lr_of(record)
         loss = record.scalars.get("loss")
         if loss is None or not math.isfinite(loss):
             return []
@@ -118,8 +119,9 @@ class LossSpike(Detector):
         else:
             how = f"{loss / median:.3g}x its recent median {median:.4g}"
         message = f"loss {loss:.4g} at step {record.step} is {how}."
-        return [self.finding(record, "warning", None, message, value=loss,
-                             data={"loss": loss, "median": median, "spread": spread, "hint": HINT})]
+        data = {"loss": loss, "median": median, "spread": spread, "hint": HINT}
+        message += raised_lr(self.causes, record.step, data)
+        return [self.finding(record, "warning", None, message, value=loss, data=data)]
 
     def _spike(self, loss: float) -> tuple[bool, float, float]:
         """Whether ``loss`` is a spike, and the window's median and spread (of the loss itself).

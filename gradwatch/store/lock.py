@@ -13,6 +13,7 @@ import platform
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from gradwatch.errors import RunError
 
@@ -106,3 +107,16 @@ def _holder(fd: int) -> str:
     if pid == os.getpid() and host == platform.node():
         return f"this process (pid {pid}): close the watcher that writes it first (gw.unwatch)"
     return f"another process (pid {pid} on {host})"
+
+
+def writer_alive(pid: Any, host: Any) -> bool:
+    """Whether the writer process still runs (unknown hosts count as alive)."""
+    if not isinstance(pid, int) or host != platform.node():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

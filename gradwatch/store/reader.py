@@ -16,6 +16,7 @@ import pandas as pd
 from gradwatch.errors import RunError, SchemaError
 from gradwatch.records import LAYER, PARAM, Layout, StepRecord
 from gradwatch.store import decode
+from gradwatch.store.lock import writer_alive
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION
 from gradwatch.store.series import Series, where_clause
 
@@ -114,7 +115,7 @@ class Run(Series):
         status = decode.json_text(self._db, "metadata 'status'", row[0][0]) if row else "unknown"
         if not isinstance(status, str):
             raise decode.damaged(self._db, f"metadata 'status' holds {status!r}, not a status")
-        if status == "running" and not _alive(self.meta.get("pid"), self.meta.get("host")):
+        if status == "running" and not writer_alive(self.meta.get("pid"), self.meta.get("host")):
             return "crashed"
         return str(status)
 
@@ -321,17 +322,3 @@ def _looks_like_sqlite(path: Path) -> bool:
     with path.open("rb") as fh:
         return fh.read(16) == b"SQLite format 3\x00"
 
-
-def _alive(pid: Any, host: Any) -> bool:
-    """Whether the writer process still runs (unknown hosts count as alive)."""
-    import platform
-
-    if not isinstance(pid, int) or host != platform.node():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
