@@ -243,7 +243,8 @@ class Tracker:
             return {"how": "attributed", "root_cause": {"cause": None, "cause_detail": (
                 "the replay stayed finite, forward and backward from the model's first output; the model "
                 "returns more than one tensor, and the NaN/Inf most likely came back through the gradient of "
-                "another one: born in the loss computed from it (observe(loss=...) lets gradwatch tell)")},
+                "another one: born in the loss computed from it (observe(loss=...) before optimizer.step() "
+                "lets gradwatch tell)")},
                 "note": "not reproduced from the model's first output: the layer is the latest with a NaN/Inf "
                         "gradient"}
         return not_reproducible(len(self.captures), "output" if own else "gradients")

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch.records import Layout
+from gradwatch.detectors.nonfinite import NonFinite
+from gradwatch.records import LAYER, PARAM, Layout, StepRecord
 
 
 def linears(*names: str) -> Layout:
@@ -353,3 +355,18 @@ def test_after_a_learning_rate_named_too_high_an_update_of_zero_is_not_called_a_
         found = unoptimized.check(record(10, ratio))
         found += [f for step in (10, 20, 30) for f in updates.check(record(step, tiny))]
         assert [(f.kind, f.layer) for f in found] == expected
+
+
+def test_an_activation_norm_that_overflows_is_not_called_nan() -> None:
+    """A NaN norm has a NaN element; an Inf one may come from finite values beyond ~1e19 (float32 squares)."""
+    layout = linears("a", "b", "c")
+    vectors = {(LAYER, "act_norm"): np.array([np.nan, np.inf, np.inf], dtype=np.float32),
+               (LAYER, "act_zero_frac"): np.zeros(3, dtype=np.float32),  # every leaf ran
+               (LAYER, "grad_norm"): np.ones(3, dtype=np.float32),
+               (LAYER, "grad_nonfinite"): np.zeros(3, dtype=np.float32),
+               (PARAM, "grad_nonfinite"): np.zeros(3, dtype=np.float32)}
+    (found,) = NonFinite().check(StepRecord(step=4, time=0.0, layout=layout, scalars={"grad_norm": 1.7},
+                                            vectors=vectors, sampled=True))
+    assert "1 layer's activations are NaN, 2 layers' activation norms overflow (Inf elements, or finite ones " \
+           "beyond ~1e19)" in found.message
+    assert found.layer == "a"  # the first layer whose activations went non-finite

@@ -66,9 +66,15 @@ class NonFinite(Detector):
         if bad_grads:
             verb = "is" if bad_grads == 1 else "are"
             what.append(f"{plural(bad_grads, 'gradient element')} in {plural(len(bad_layers), 'layer')} {verb} NaN/Inf")
-        if bad_act.any():
-            n = int(bad_act.sum())
-            what.append("1 layer's activations are NaN/Inf" if n == 1 else f"{n:,} layers' activations are NaN/Inf")
+        if bad_act.any():  # a NaN norm has a NaN element; an Inf one an Inf, or finite ones beyond ~1e19
+            nan = int((bad_act & np.isnan(act)).sum())
+            inf = int(bad_act.sum()) - nan
+            if nan:
+                what.append("1 layer's activations are NaN" if nan == 1 else f"{nan:,} layers' activations are NaN")
+            if inf:
+                what.append(f"{plural(inf, 'layer')}' activation norms overflow (Inf elements, or finite ones beyond "
+                            "~1e19)" if inf > 1 else "1 layer's activation norm overflows (Inf elements, or finite "
+                            "ones beyond ~1e19)")
         message = (words.nonfinite_message(origin, record.step, what)  # the op, line, cause and samples
                    or f"{_where(origin)} at step {record.step}: {', '.join(what)}.")
         data: dict[str, Any] = {
