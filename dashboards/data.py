@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from gradwatch import downsample
+from gradwatch import downsample, verdict
 from gradwatch.errors import DamagedStoreError
 from gradwatch.report import items as explained
 from gradwatch.report import marks
@@ -268,7 +268,8 @@ def summary(run: Run, run_id: str) -> dict[str, Any]:
         "status": status,
         "state": state,
         "counts": counts,
-        "headline": report_summary.headline(state, status, counts, listed, progress["steps"], live=True),
+        "headline": report_summary.headline(state, status, counts, listed, progress["steps"], live=True,
+                                            halted=verdict.halted(run.path) if status == "halted" else None),
         "facts": [[k, v] for k, v in report_summary.facts(run, meta, status, steps_info, scalars)],
         "layers": [{"name": n, "type": t, "params": int(p)}
                    for n, t, p in zip(info["layer"], info["type"], info["params"])],

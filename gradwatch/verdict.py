@@ -23,3 +23,10 @@ def read(run_dir: Path) -> dict[str, Any] | None:
         return json.loads((run_dir / VERDICT).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def halted(run_dir: Path) -> dict[str, Any] | None:
+    """The verdict's ``halted`` (``step``, ``reason``): None when the run was not halted or has no verdict."""
+    found = read(run_dir)
+    halt = found.get("halted") if isinstance(found, dict) else None
+    return halt if isinstance(halt, dict) and halt.get("reason") else None

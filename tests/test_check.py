@@ -255,3 +255,27 @@ def test_ls_defaults_to_runs_in_the_working_directory(runs: dict[str, Path], tmp
     result = gradwatch("ls", cwd=tmp_path)
     assert result.returncode == 0 and "healthy" in result.stdout
     assert os.path.isdir(tmp_path / "runs")
+
+
+def test_a_run_halted_by_skips_says_where_and_why_in_check_and_the_report(tmp_path: Path) -> None:
+    """No rule's finding halts it (the skips ran out): the verdict's reason is what people read."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    rules = [gw.Rule(when="nonfinite", do="skip", max_consecutive=2)]
+    watched = gw.watch(model, run=tmp_path / "run", rules=rules, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(gw.TrainingHalted):
+        for step in range(20):
+            x = torch.randn(8, 4)
+            if step >= 5:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            nn.functional.mse_loss(watched(x), torch.zeros(8, 1)).backward()
+            opt.step()
+    gw.unwatch(watched)
+    out = gradwatch("check", str(tmp_path / "run"))
+    assert out.returncode == 1
+    assert f"{tmp_path / 'run'}: 8 steps, halted at step 7: 2 steps in a row had to be skipped" in out.stdout
+    report = tmp_path / "report.html"
+    assert gradwatch("report", str(tmp_path / "run"), "-o", str(report)).returncode == 0
+    assert "Training was halted at step 7: 2 steps in a row had to be skipped." in report.read_text()

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gradwatch import gate
+from gradwatch import gate, verdict
 from gradwatch.cli import USAGE_ERROR, cli
 from gradwatch.errors import GradwatchError
 from gradwatch.files import write_text_atomic
@@ -38,6 +38,7 @@ class Checked:
     findings: list[gate.Item] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    halted: str = ""  # where and why a halted run stopped (its verdict's ``halted``), for the text output
 
     @property
     def failing(self) -> list[gate.Item]:
@@ -69,6 +70,8 @@ def judge_run(path: str, fail_on: str, rules: Path | None) -> Checked:
     try:
         with open_run(path) as run:
             checked.steps, checked.status = run.steps, run.status
+            halted = verdict.halted(run.path) if checked.status == "halted" else None
+            checked.halted = f" at step {halted.get('step')}: {halted['reason']}" if halted else ""
             checked.findings = gate.items(_findings(run, rules))
     except GradwatchError as exc:
         checked.error = str(exc)
@@ -117,7 +120,7 @@ def render_text(results: list[Checked], file: Any) -> None:
             console.print(f"[bold]{escape(res.run)}[/bold]: [red]cannot be read[/red]: {escape(res.error)}")
             continue
         shown = [f for f in res.findings if f.severity != "info" or res.fail_on == "info"]
-        title = f"{res.run}: {res.steps} steps, {res.status}"
+        title = f"{res.run}: {res.steps} steps, {res.status}{res.halted}"
         if shown:
             table = Table(title=escape(title), title_justify="left")
             for col in ("step", "severity", "kind", "layer", "action", "message"):
@@ -212,8 +215,8 @@ def render_github(results: list[Checked]) -> str:
             body = f"{res.run}: {f.message}" + (f" [action: {f.action}]" if f.action else "")
             body += f"\nTry: {f.hint}." if f.hint else ""
             lines.append(f"::{level} title={_escape_property(title)}::{_escape_data(body)}")
-        verdict, n = "FAIL" if res.failing else "PASS", len(res.failing)
-        lines.append(f"{verdict}: {res.run}: {n} finding{'s' * (n != 1)} at or above {res.fail_on}")
+        outcome, n = "FAIL" if res.failing else "PASS", len(res.failing)
+        lines.append(f"{outcome}: {res.run}: {n} finding{'s' * (n != 1)} at or above {res.fail_on}")
     return "\n".join(lines) + "\n"
 
 

@@ -67,7 +67,7 @@ class NonFinite(Detector):
             verb = "is" if bad_grads == 1 else "are"
             what.append(f"{plural(bad_grads, 'gradient element')} in {plural(len(bad_layers), 'layer')} {verb} NaN/Inf")
         if bad_act.any():  # a NaN norm has a NaN element; an Inf one an Inf, or finite ones beyond ~1e19
-            nan = int((bad_act & np.isnan(act)).sum())
+            nan = int((bad_act & np.isnan(act)).sum()) if act is not None else 0
             inf = int(bad_act.sum()) - nan
             if nan:
                 what.append("1 layer's activations are NaN" if nan == 1 else f"{nan:,} layers' activations are NaN")

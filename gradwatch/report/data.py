@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from gradwatch import downsample
+from gradwatch import downsample, verdict
 from gradwatch.report import items as explained
 from gradwatch.report import summary
 from gradwatch.report.items import Item
@@ -212,7 +212,7 @@ def collect(run: Run, name: str | None = None) -> Report:
         path=str(run.path),
         status=status,
         state=state,
-        headline=summary.headline(state, status, counts, items, run.steps),
+        headline=summary.headline(state, status, counts, items, run.steps, halted=verdict.halted(run.path)),
         facts=facts,
         counts=counts,
         items=items,
@@ -316,3 +316,4 @@ def _layer_rows(info: pd.DataFrame, grad: _Acc, ratio: _Acc, findings: pd.DataFr
                  flags=sorted(flags.get(name, ())))
         for i, (name, typ, params) in enumerate(zip(info["layer"], info["type"], info["params"]))
     ]
+

@@ -77,14 +77,18 @@ def _plural(n: int, word: str) -> str:
 
 
 def headline(state: str, status: str, counts: dict[str, int], items: list[Item], steps: int,
-             live: bool = False) -> str:
+             live: bool = False, halted: dict[str, Any] | None = None) -> str:
     """One or two sentences: what happened to the run, and where to look first.
 
     ``live``: for a page that follows the run as it trains (no "snapshot" caveat, no step count).
+    ``halted``: the verdict's ``halted`` (its step and reason), for a halt no rule's finding made
+    (the skips or rollbacks that ran out).
     """
     if state == "halted":
         halt = next((i for i in items if i.action == "halt"), None)
         where = f" at step {halt.step}: {halt.kind} in {halt.where}" if halt else ""
+        if halt is None and halted and halted.get("reason"):
+            where = f" at step {halted.get('step')}: {halted['reason']}"
         head = f"Training was halted{where}."
     elif state == "errors":
         first = next(i for i in items if i.severity == "error")
