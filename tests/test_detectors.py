@@ -370,3 +370,41 @@ def test_an_activation_norm_that_overflows_is_not_called_nan() -> None:
     assert "1 layer's activations are NaN, 2 layers' activation norms overflow (Inf elements, or finite ones " \
            "beyond ~1e19)" in found.message
     assert found.layer == "a"  # the first layer whose activations went non-finite
+
+
+def test_a_heavy_tailed_gradient_is_judged_against_its_own_bursts() -> None:
+    """An LSTM's gradient: mostly ~0.1, with a hard sample now and then at 4-6x. A 15x step is within 3x of
+    those bursts (no explosion); a 40x one is not. A smooth gradient's 15x step is an explosion."""
+    from gradwatch.detectors.exploding import Exploding
+
+    layout = linears("a")
+
+    def record(step: int, norm: float) -> StepRecord:
+        return StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": norm},
+                          vectors={(LAYER, "grad_norm"): np.array([norm], dtype=np.float32)})
+
+    bursty = [0.1 * (1 + 0.05 * (s % 5)) * (5.5 if s % 9 == 4 else 1.0) for s in range(40)]
+    smooth = [0.1 * (1 + 0.05 * (s % 5)) for s in range(40)]
+    for history, spike, flagged in ((bursty, 1.5, False), (bursty, 4.0, True), (smooth, 1.5, True)):
+        detector = Exploding()
+        assert not [f for s, n in enumerate(history) for f in detector.check(record(s, n))]
+        assert bool(detector.check(record(40, spike))) == flagged, (spike, flagged)
+
+
+def test_an_explosion_the_loops_clip_bounded_is_told_once_and_warned_of_when_it_recurs() -> None:
+    from gradwatch.detectors.exploding import Exploding
+    from gradwatch.records import PRECLIP
+
+    layout = linears("a")
+
+    def record(step: int, pre: float) -> StepRecord:
+        post = min(pre, 1.0)  # clip_grad_norm_(max_norm=1.0)
+        return StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": post, PRECLIP: pre},
+                          vectors={(LAYER, "grad_norm"): np.array([post], dtype=np.float32)})
+
+    detector = Exploding()
+    found = [f for s in range(120) for f in detector.check(record(s, 30.0 if s in (40, 70, 95, 110) else
+                                                                   0.1 * (1 + 0.05 * (s % 5))))]
+    assert [(f.step, f.severity) for f in found] == [(40, "info"), (70, "info"), (95, "warning"), (110, "warning")]
+    assert "The loop's clip bounded its update (the global norm clipped to 1)." in found[0].message
+    assert "The loop clipped 3 explosions in the last 100 steps" in found[2].message

@@ -97,6 +97,16 @@ class Window:
         """Columns with at least ``warmup`` values (as of the last refresh)."""
         return self.count >= warmup
 
+    def peak(self, cols: np.ndarray) -> np.ndarray:
+        """The largest value in the window of each column of ``cols`` (NaN for an empty one); for the
+        rare flagged value only (it scans the buffer).
+        """
+        rows = self.buf[: min(self.filled, self.size)][:, cols]
+        if rows.shape[0] == 0:
+            return np.full(len(cols), np.nan)
+        with np.errstate(invalid="ignore"):
+            return np.fmax.reduce(rows, axis=0)
+
 
 def _nanmedian(rows: np.ndarray, count: np.ndarray) -> np.ndarray:
     """Median of each column ignoring NaN (NaN for an all-NaN column), given the non-NaN counts.

@@ -35,6 +35,8 @@ HINT_OVERFLOW = (
 EARLY = 3
 #: accepted values whose median is the short-term level a jump is measured from
 RECENT = 5
+#: the steps over which explosions the loop's own clip bounded are counted (``recur``)
+RECUR_STEPS = 100
 
 
 @dataclass
@@ -46,7 +48,9 @@ class Exploding(Detector):
     log(ratio))`` once ``warmup`` values are in its window, or ``early_ratio`` times the median
     before that (from the third value on: a baseline is never blind while it warms up), and it is
     also ``jump`` times the median of its last 5 healthy values (a slow trend is not an
-    explosion). Flagged and non-finite norms never enter a window.
+    explosion) and ``peak_ratio`` times the largest healthy value in its window (an RNN's
+    gradient, whose rare hard samples burst to 5-10 times its median, is judged against that
+    tail). Flagged and non-finite norms never enter a window.
 
     A global norm of inf computed from finite gradient elements (their float32 sum of squares
     overflowed) is an explosion, at severity error, from step 0. ``limit`` is an absolute bound
@@ -66,14 +70,20 @@ class Exploding(Detector):
         warmup: values in a baseline before it judges with ``z`` and ``ratio``.
         early_ratio: before ``warmup`` values, a flagged norm is at least this many times its median.
         jump: a flagged norm is also at least this many times the median of its last 5 healthy values.
+        peak_ratio: a flagged norm is also at least this many times the largest healthy value in its
+            window (a heavy-tailed gradient is judged against its own tail).
         layer_share: a layer's flagged norm also carries at least this share of the step's squared
             global norm (0.25: at least half the global norm); 0 turns it off.
         min_std: floor of the baseline's spread (log space).
+        recur: explosions the loop's own clip bounded (``clip_grad_norm_``, a Trainer's
+            ``max_grad_norm``) are info, the update being bounded, until this many within 100
+            steps: then a warning (the clip hides a recurring cause).
     """
 
     kind = "exploding"
     bounds = {"ratio": Bound(1), "layer_ratio": Bound(1), "window": Bound(1, MAX_WINDOW), "warmup": Bound(1, "window"),
-              "early_ratio": Bound(1), "jump": Bound(1), "layer_share": Bound(0, 1)}
+              "early_ratio": Bound(1), "jump": Bound(1), "peak_ratio": Bound(1), "layer_share": Bound(0, 1),
+              "recur": Bound(1)}
     z: float = 6.0
     ratio: float = 5.0
     layer_ratio: float = 10.0
@@ -82,8 +92,10 @@ class Exploding(Detector):
     warmup: int = 20
     early_ratio: float = 100.0
     jump: float = 4.0
+    peak_ratio: float = 3.0
     layer_share: float = 0.25
     min_std: float = 0.1
+    recur: int = 3
     _global: Window = field(init=False, repr=False)
     _layers: Window = field(init=False, repr=False)
     _version: int = field(default=-1, init=False, repr=False)
@@ -91,6 +103,7 @@ class Exploding(Detector):
     _bounds: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
     _recent: Recent = field(init=False, repr=False)  # each layer's last healthy log norms
     _recent_global: Recent = field(init=False, repr=False)  # the global norm's
+    _clipped: list[int] = field(default_factory=list, init=False, repr=False)  # explosions the loop clipped
 
     def __post_init__(self) -> None:
         self._global = Window(self.window)
@@ -144,12 +157,17 @@ class Exploding(Detector):
         g_flag = bool(log_total > self._bound(self._global, self.ratio)[0])
         l_flag = valid & (logs > self._bound(lay, self.layer_ratio))
         jump = math.log(self.jump)  # a flag is also a jump from the short-term level, where that level is known
+        # ... and beyond the tail of its own healthy history (a heavy-tailed gradient, such as an
+        # RNN's bursts on rare hard samples, is judged against its largest recent values)
+        peak = math.log(self.peak_ratio)
         if g_flag:
             level = float(self._recent_global.median(np.zeros(1, dtype=np.intp), EARLY)[0])
-            g_flag = not log_total - level <= jump  # NaN level (unknown): stays flagged
+            highest = float(self._global.peak(np.zeros(1, dtype=np.intp))[0])
+            g_flag = not (log_total - level <= jump or log_total - highest < peak)  # NaN (unknown): stays flagged
         if l_flag.any():
             cols = np.flatnonzero(l_flag)
-            l_flag[cols] = ~(logs[cols] - self._recent.median(cols, EARLY) <= jump)
+            l_flag[cols] = ~((logs[cols] - self._recent.median(cols, EARLY) <= jump)
+                             | (logs[cols] - lay.peak(cols) < peak))
             # one layer's explosion carries the step: a layer that grows from a tiny gradient to a
             # still small share of the model's (attention keys as a transformer starts to learn) is not one
             applied = record.scalars.get("grad_norm", total)
@@ -194,7 +212,18 @@ class Exploding(Detector):
                 "layers": [layout.layers[i] for i in flagged[np.argsort(-l_excess[flagged])]][:20],
                 "hint": HINT_CLIPPED if PRECLIP in record.scalars else HINT}
         message += raised_lr(self.causes, record.step, data)  # still acted on (clipped), but known to follow from it
-        return [self.finding(record, "error" if over else "warning", layer, message, value=value, data=data)]
+        severity = "error" if over else "warning"
+        # the loop's own clip bounded the update: a one-off is told (info), a recurring one warned of
+        pre, post = record.scalars.get(PRECLIP), record.scalars.get("grad_norm")
+        if pre is not None and post is not None and post < 0.999 * pre and not over:
+            self._clipped = [s for s in self._clipped if record.step - s < RECUR_STEPS] + [record.step]
+            if len(self._clipped) >= self.recur:
+                message += (f" The loop clipped {len(self._clipped)} explosions in the last {RECUR_STEPS} steps: its "
+                            "clip bounds each update, not the cause.")
+            elif "lr_raised_at" not in data:  # (a raised learning rate named here stays a warning)
+                severity = "info"
+                message += f" The loop's clip bounded its update (the global norm clipped to {post:.3g})."
+        return [self.finding(record, severity, layer, message, value=value, data=data)]
 
     def _overflow(self, record: StepRecord, total: float, norms: np.ndarray) -> list[Finding]:
         """A global norm of inf from finite elements: the float32 sum of squares overflowed."""
