@@ -62,9 +62,11 @@ def test_vanishing_in_a_deep_sigmoid_stack(run_dir: Path) -> None:
     assert first(run, "vanishing") == (9, "0"), "the first layer, after patience=10 steps from step 0"
 
 
-def test_dead_relu_from_a_huge_negative_bias(run_dir: Path) -> None:
+@pytest.mark.parametrize("between", [[], [nn.Dropout(0.1)], [nn.Identity()]])
+def test_dead_relu_from_a_huge_negative_bias(run_dir: Path, between: list[nn.Module]) -> None:
+    """A Dropout after the dead nn.ReLU carries its zeros: still one finding, the ReLU's."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), *between, nn.Linear(32, 1))
     with torch.no_grad():
         model[0].bias.fill_(-100.0)
     run = fit(model, run_dir, 25)

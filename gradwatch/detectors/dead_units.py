@@ -63,14 +63,17 @@ class DeadUnits(Detector):
         seen = present(record, "layer", self.metric)
         out: dict[int, Finding] = {}
         layout = record.layout
-        for i in np.flatnonzero(seen):
-            key = (layout.version, int(i))
-            hit = bool(values[i] >= self.threshold)
+        for leaf in np.flatnonzero(seen):
+            key = (layout.version, int(leaf))
+            hit = bool(values[leaf] >= self.threshold)
             self._runs[key] = self._runs.get(key, 0) + 1 if hit else 0
             if self._runs[key] != self.patience:
                 continue
-            cause = self._maker(record, int(i), values, seen) if self.attributes else None
-            at = int(i) if cause is None else cause
+            i = int(leaf)
+            cause = self._maker(record, i, values, seen) if self.attributes else None
+            if cause is not None and values[cause] >= self.threshold:  # a dead leaf before it made the zeros
+                i, cause = cause, None  # (an nn.ReLU before a Dropout): that leaf's finding
+            at = i if cause is None else cause
             if at in out:
                 continue  # several leaves carry the zeros of one layer: one finding
             name, type_ = layout.layers[i], layout.layer_types[i]
@@ -100,6 +103,8 @@ class DeadUnits(Detector):
         before = [j for j in layout.leaves if j < i and seen[j]]
         for j in reversed(before):
             if values[j] >= self.threshold:
+                if layout.layer_types[j] not in CARRIERS:
+                    return j  # the zeros were made by that leaf (an nn.ReLU): its own finding says so
                 continue  # carries the same zeros
             return j if layout.layer_numel[j] > 0 and grad[j] == 0 else None
         return None
