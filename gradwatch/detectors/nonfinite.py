@@ -16,7 +16,8 @@ from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 
 HINT = (
-    "guard the op that produced it (log/sqrt/division need a positive argument: add an epsilon or clamp), "
+    "guard the op that produced it (log/sqrt/division need a positive argument: add an epsilon or clamp; "
+    "exp overflows beyond ~88 in float32: clamp its input, e.g. a log-variance), "
     "check the batch for NaN/Inf, lower the learning rate, or use bf16 instead of fp16"
 )
 

@@ -64,7 +64,8 @@ def diagnose(model: nn.Module, cap: Capture, located: Located, rng: Rng, referen
             origin["samples"] = blamed(cap, loss_rows, "rows of the loss's gradient at the model's output that are "
                                        "NaN/Inf")
         origin["root_cause"] = {"cause": None, "cause_detail": "born in the loss function, which runs outside the "
-                                "model and is not replayed: check it for log/division of zero"}
+                                "model and is not replayed: check it for log/division of zero and for exp of a "
+                                "large value (a VAE's logvar.exp())"}
         return origin
     assert located.module is not None
     search = ops.search if located.phase == "forward" else nodes.search
