@@ -129,6 +129,8 @@ class Probe:
         #: set while gradwatch itself runs the model (origin replay): every hook stands aside
         self.paused = False
         self._quiet = False
+        #: a forward call of the model in train mode was seen; the latest one was in eval mode after that
+        self.trained = self.evaluating = False
         self._sentinel: list[RemovableHandle] = []
         self._act_handles: list[RemovableHandle] = []
         #: the activation statistics collected since attach (or the last take)
@@ -196,6 +198,10 @@ class Probe:
     def _forward_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.quiet:
             return
+        # trained in train mode, now in eval mode with gradients on: a validation pass, part of no step
+        self.trained, self.evaluating = self.trained or module.training, self.trained and not module.training
+        if self.evaluating:
+            return
         # ``is_dynamo_compiling``, not ``is_compiling``: inside ``torch.compile(watched)`` these
         # hooks run eagerly around the compiled forward (where ``is_compiling`` is already true)
         if self._lift and torch.compiler.is_compiling():
@@ -204,7 +210,8 @@ class Probe:
             self._on_forward(args, kwargs)
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.quiet or self.paused or not torch.is_grad_enabled() or torch.compiler.is_dynamo_compiling():
+        if self.quiet or self.paused or self.evaluating or not torch.is_grad_enabled() or \
+                torch.compiler.is_dynamo_compiling():
             return
         out = first_tensor(output)
         if out is not None and out.requires_grad and self._on_output is not None:
@@ -288,7 +295,7 @@ class Probe:
     def _activation(self, index: int, limits: tuple[float, float] | None, module: nn.Module, args: Any,
                     output: Any) -> None:
         """A leaf's forward hook: launch its output's reductions (traced into a compiled graph)."""
-        if not self.collect or self.paused or not torch.is_grad_enabled():
+        if not self.collect or self.paused or self.evaluating or not torch.is_grad_enabled():
             return
         out = output if type(output) is torch.Tensor and output.is_floating_point() else first_tensor(output)
         if out is None:

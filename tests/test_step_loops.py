@@ -342,3 +342,51 @@ def test_a_clip_with_max_norm_zero_is_named_as_such(tmp_path: Path) -> None:
     assert set(coef["value"]) == {0.0}
     assert list(found["kind"]) == ["zero_gradient"], found[["step", "kind", "message"]]
     assert "max_norm=0" in found["message"].iloc[0] and "scaled to zero" in found["message"].iloc[0]
+
+
+def _validating_loop(run: Path, *, validate: bool, always_eval: bool = False) -> None:
+    """A regression whose loop runs a validation pass in eval mode *without* torch.no_grad() before
+    every tenth step (common), with a NaN in training sample 5 at step 20."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    gw.watch(model, run=run, console=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    xv = torch.randn(128, 16, generator=gen)
+    if always_eval:
+        model.eval()
+    for step in range(30):
+        x = torch.randn(32, 16, generator=gen)
+        if step == 20:
+            x[5, 3] = float("nan")
+        if validate and step % 10 == 0:
+            model.eval()
+            F.mse_loss(model(xv), xv[:, :1])  # gradients on: a graph nobody backpropagates
+            model.train()
+        loss = F.mse_loss(model(x), x[:, :1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    gw.unwatch(model)
+
+
+def test_a_validation_pass_in_eval_mode_with_gradients_on_is_part_of_no_step(tmp_path: Path) -> None:
+    _validating_loop(tmp_path / "plain", validate=False)
+    _validating_loop(tmp_path / "validated", validate=True)
+    with gw.open_run(tmp_path / "plain") as plain, gw.open_run(tmp_path / "validated") as validated:
+        error = validated.findings().iloc[0]
+        assert (error.kind, error.step) == ("nonfinite", 20)
+        assert error.data["samples"]["indices"] == [5] and error.data["samples"]["batch"] == 32
+        assert "call" not in error.data["samples"], "the validation call is not one of the step's"
+        # the activation statistics of a sampled step are the training batch's alone
+        zero = {name: run.metrics("act_zero_frac", include_global=False).set_index(["step", "layer"])["value"]
+                for name, run in (("plain", plain), ("validated", validated))}
+        assert zero["validated"].loc[10].to_dict() == pytest.approx(zero["plain"].loc[10].to_dict())
+
+
+def test_a_model_trained_in_eval_mode_throughout_is_still_replayed(tmp_path: Path) -> None:
+    _validating_loop(tmp_path / "run", validate=False, always_eval=True)
+    with gw.open_run(tmp_path / "run") as run:
+        error = run.findings().iloc[0]
+    assert (error.kind, error.step, error.data["root_cause"]["cause"]) == ("nonfinite", 20, "data")
+    assert error.data["samples"]["indices"] == [5]
