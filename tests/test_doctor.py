@@ -216,7 +216,7 @@ def test_nan_at_initialisation_fails_gradient_flow_and_names_the_module() -> Non
     assert results["gradient_flow"].status == "fail" and "non-finite" in results["gradient_flow"].evidence
     acts = results["activations"]
     assert acts.status == "fail" and "from '1' (LogHead), whose inputs were finite" in acts.evidence
-    assert results["overfit_batch"].status == "fail" and "at step 0" in results["overfit_batch"].evidence
+    assert results["overfit_batch"].status == "fail" and "before any update" in results["overfit_batch"].evidence
 
 
 # ----------------------------------------------------------------------------------------- activations
@@ -325,6 +325,20 @@ def test_diverging_fit_names_the_step() -> None:
     fit = by_name(diagnose(Exp(), batch(), ce, lr=10.0, steps=20))["overfit_batch"]
     assert fit.status == "fail" and "the loss became nan at step 1" in fit.evidence
     assert "lower the learning rate" in fit.suggestion
+
+
+def test_a_loss_that_is_not_finite_before_any_update_does_not_blame_the_learning_rate() -> None:
+    class Overflowing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor(100.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.exp(self.w) * x[:, :4]  # exp(100) overflows float32 at initialisation
+
+    fit = by_name(diagnose(Overflowing(), batch(), ce))["overfit_batch"]
+    assert fit.status == "fail" and fit.evidence == "the loss is nan before any update"  # cross-entropy of inf logits
+    assert "learning rate" not in fit.suggestion and "exp of large values" in fit.suggestion
 
 
 # --------------------------------------------------------------------------------- autograd functions

@@ -236,6 +236,8 @@ def check_overfit(ctx: _Context) -> CheckResult:
         value = float(loss.detach())
         losses.append(value)
         data = {"losses": losses, "steps": step, "lr": opts.lr}
+        if not math.isfinite(value) and step == 0:  # before any update: not the learning rate's doing
+            return CheckResult(name, FAIL, f"the loss is {value} before any update", HINTS["nonfinite_loss"], data)
         if not math.isfinite(value):
             return CheckResult(name, FAIL, f"the loss became {value} at step {step} (Adam, lr {opts.lr:g}; "
                                f"initial {losses[0]:.4g})", HINTS["diverged"], data)

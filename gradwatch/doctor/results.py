@@ -57,8 +57,13 @@ HINTS = {
                "gets what it expects (logits, not probabilities), that no layer is frozen by mistake, and that the "
                "optimizer sees the parameters; try a higher --lr"),
     "diverged": "lower the learning rate (--lr) and add warmup, and clip gradients",
+    "nonfinite_loss": ("the model or the loss computes NaN/Inf on this batch at initialisation: check the batch for "
+                       "NaN/Inf and the loss for log(0), division by zero and exp of large values (a VAE's "
+                       "logvar.exp()); the gradient_flow and activations checks name the layer when it is in "
+                       "the model"),
     "slow_fit": ("it learns, but slowly: allow more --steps or a higher --lr; if that does not help, check the "
-                 "initialisation (Kaiming/Xavier), normalisation and the loss"),
+                 "initialisation (Kaiming/Xavier), normalisation and the loss. A loss with a floor above 0 (a "
+                 "VAE's KL term, label smoothing, soft targets) cannot reach the goal: --skip overfit_batch"),
     "trivial": "use a batch whose targets the model does not already match at initialisation",
     "gradcheck": ("the backward does not match finite differences of the forward: check each returned gradient's "
                   "formula and shape, one per forward input and in the same order (None for non-tensor inputs)"),
