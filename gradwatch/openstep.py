@@ -10,9 +10,9 @@ a value named ``loss``, and any tensor still attached to the autograd graph (com
 forward pass). Other values observed then (a learning rate read after ``scheduler.step()``) are
 for the step that follows, as ``observe`` says.
 
-A late tensor is read with the next step's one host read (as a sampled step's update norms are);
-a late number is folded in when the step closes. Either way the step's loss is judged then, one
-step after its moment, and a finding acts at the next step's moment.
+The step then waits for the next step's one host read (as a sampled step's update norms do),
+which reads its late tensors; at ``flush()`` and at the end of the run a read of its own does.
+Its loss is judged then, one step after its moment, and a finding acts at the next step's moment.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Open:
     skip: bool = False  # an action decided that this step changes nothing
     #: how many values of each name the step's moment read (a late value joins their mean)
     counts: dict[str, int] = field(default_factory=dict)
-    #: values observed after the step's moment that are this step's (see :func:`belongs`)
+    #: values observed after the step's moment that are this step's (see :func:`into`)
     late: obs.Observed = field(default_factory=dict)
 
     def late_parts(self) -> list[torch.Tensor]:
