@@ -181,8 +181,9 @@ class Iteration:
             dropped = self.gradients_dropped()
             self.backward, served, self.served = None, self.served, False
             self.uncleared = self.uncleared and not dropped
-            if dropped and served:  # another model's step (a GAN's generator's): no step of this model
-                self.carry = None
+            if dropped and served:  # another model's step (a GAN's generator's): no step of this model;
+                carry, self.carry = self.carry, None  # what the loop observed meanwhile is for the next one
+                self.observed = merge(carry[0], self.observed) if carry else self.observed
             elif dropped:  # the previous iteration's gradients were dropped without an optimizer step
                 carry, self.carry = self.carry, None
                 steps.dropped(carry[0] if carry else {}, ongoing=True)

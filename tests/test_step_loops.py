@@ -154,7 +154,8 @@ def test_an_optimizer_loop_that_drops_gradients_claims_no_gradscaler(tmp_path: P
         assert list(run.records())[3].skipped
 
 
-def _gan(tmp_path: Path, iterations: int, *, nan_at: int | None = None) -> tuple[gw.Run, gw.Run]:
+def _gan(tmp_path: Path, iterations: int, *, nan_at: int | None = None,
+         losses: list[float] | None = None) -> tuple[gw.Run, gw.Run]:
     """The DCGAN loop: a discriminator step on real and detached fake samples, then a generator step
     whose loss goes back through the discriminator, whose gradients from it the next iteration zeroes."""
     torch.manual_seed(0)
@@ -176,6 +177,9 @@ def _gan(tmp_path: Path, iterations: int, *, nan_at: int | None = None) -> tuple
         G.zero_grad()
         bce(D(fake), torch.ones(32, 1)).backward()
         opt_g.step()
+        if losses is not None:  # logged at the end of the iteration, as the DCGAN example does
+            gw.watcher(D).observe(loss=loss_d)
+            losses.append(loss_d.item())
     gw.unwatch(G)
     gw.unwatch(D)
     return gw.open_run(tmp_path / "G"), gw.open_run(tmp_path / "D")
@@ -188,6 +192,17 @@ def test_a_gan_discriminator_counts_its_own_steps_only(tmp_path: Path) -> None:
     for run in (gen, disc):
         assert run.steps == 25 and not run.step_info()["skipped"].any()
         assert run.findings().empty
+
+
+def test_a_discriminator_loss_observed_after_the_generators_step_is_kept_for_the_next_step(
+        tmp_path: Path) -> None:
+    """The generator's forward call through the discriminator began a new iteration of it: the loss is
+    for the step that follows (it was dropped with the generator's iteration)."""
+    losses: list[float] = []
+    _, disc = _gan(tmp_path, 12, losses=losses)
+    recorded = disc.scalars(["loss"])["loss"]
+    assert list(recorded.index) == list(range(1, 12))
+    assert recorded.to_numpy() == pytest.approx(losses[:-1], rel=1e-6)
 
 
 def test_a_nan_in_a_gan_discriminator_step_is_found_at_that_iteration(tmp_path: Path) -> None:
