@@ -111,6 +111,7 @@ class Iteration:
         self.uncleared = False  # this step's gradients were added to the previous step's
         #: steps in a row whose gradients held the previous step's (``records.GRAD_STALE``)
         self.stale = 0
+        self._held: tuple[torch.Tensor, Any] | None = None  # that parameter and its gradient accumulator
         #: a backward pass has begun and its end is not reached yet (its start is told once)
         self.began = False
         #: a forward call was seen since the last step opened; it was when the open step opened
@@ -189,8 +190,8 @@ class Iteration:
                 steps.dropped(carry[0] if carry else {}, ongoing=True)
             else:
                 self.merge_carry()
-        if self.at_step is not None:  # the first backward pass since a step: were the gradients cleared?
-            grad = self.found.params[self.at_step[0]].grad
+        if self.at_step is not None and self._accumulates():  # the first backward pass since a step that
+            grad = self.found.params[self.at_step[0]].grad          # adds to .grad: were the gradients cleared?
             self.uncleared = grad is not None and (id(grad), grad._version) == self.at_step[1:]
             self.at_step = None
         # the end of this backward pass, after what it queued itself (DDP's gradient reduction)
@@ -244,8 +245,21 @@ class Iteration:
         """The step's gradients are what the optimizer applies (after gradwatch's own actions): remember
         one, of the parameter at ``held`` (which the step's optimizer holds), for the next backward pass.
         """
-        grad = self.found.params[held].grad
+        param = self.found.params[held]
+        grad = param.grad
         self.at_step = (held, id(grad), grad._version) if grad is not None else None
+        if self._held is None or self._held[0] is not param:  # its gradient accumulator (held: the same node)
+            edge = getattr(torch.autograd.graph, "get_gradient_edge", None)  # torch >= 2.2
+            self._held = (param, edge(param).node) if edge is not None and param.requires_grad else None
+
+    def _accumulates(self) -> bool:
+        """Whether the backward pass now running adds to the held parameter's ``.grad`` (not so for a
+        ``torch.autograd.grad`` call, e.g. a gradient penalty's, made before the loop clears them).
+        """
+        try:
+            return self._held is None or bool(torch._C._will_engine_execute_node(self._held[1]))
+        except (AttributeError, RuntimeError):  # an older torch, or called outside a backward pass
+            return True
 
     def aside(self, closure: Callable[[], Any]) -> Any:
         """Run a closure with gradwatch's hooks standing aside and the iteration's state kept."""

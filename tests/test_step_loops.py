@@ -247,6 +247,31 @@ def test_gradients_never_cleared_between_steps_are_found_and_cleared_ones_are_no
     assert run.scalars()["grad_stale_steps"].dropna().tolist() == [float(s) for s in range(1, 8)]
 
 
+@pytest.mark.parametrize("clear", [True, False])
+def test_a_gradient_penalty_taken_before_the_gradients_are_cleared_is_not_a_stale_step(
+        tmp_path: Path, clear: bool) -> None:
+    """WGAN-GP: the critic's gradient penalty (torch.autograd.grad with create_graph) comes before
+    zero_grad(); that call adds nothing to .grad and is not the backward pass that tells."""
+    torch.manual_seed(0)
+    critic = gw.watch(nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1)), run=tmp_path / "C",
+                      console=False)
+    opt = torch.optim.Adam(critic.parameters(), 1e-4, betas=(0.0, 0.9))
+    for _ in range(8):
+        real, fake = torch.randn(32, 2) + 3, torch.randn(32, 2)
+        alpha = torch.rand(32, 1)
+        mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        grads = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)[0]
+        penalty = ((grads.norm(2, dim=1) - 1) ** 2).mean()
+        if clear:
+            opt.zero_grad()
+        (critic(fake).mean() - critic(real).mean() + 10 * penalty).backward()
+        opt.step()
+    gw.unwatch(critic)
+    with gw.open_run(tmp_path / "C") as run:
+        stale = run.findings().query("kind == 'stale_gradient'")
+    assert stale["step"].tolist() == ([] if clear else [2])
+
+
 def test_gradwatchs_own_clip_does_not_pass_for_clearing_the_gradients(tmp_path: Path) -> None:
     """A clip action scales the gradients in place (a new version of the same tensor) before the
     optimizer applies them: what the next backward pass compares with is what was applied."""
