@@ -136,6 +136,11 @@ def test_a_loss_spike_right_after_a_raised_learning_rate_names_it() -> None:
     assert (finding.step, finding.data["cause"], finding.data["lr_raised_at"]) == (15, "learning_rate", 14)
     assert finding.message.endswith("The learning rate was raised 100x at step 14 (0.001 -> 0.1): the likely cause.")
     assert spike.causes.named(LR_HIGH, 15)
+    named = LossSpike()  # the learning rate named too high earlier (at 0.001): the raise is still told
+    named.causes.note(LR_HIGH, 0)
+    found = [f for step, loss in enumerate(losses)
+             for f in named.check(record(lay, step, scalars={"loss": loss, "lr": 1e-3 if step < 14 else 0.1}))]
+    assert found[0].data["lr_raised_at"] == 14 and "raised 100x at step 14" in found[0].message
 
 
 def test_weights_growing_geometrically_name_the_learning_rate() -> None:

@@ -72,14 +72,14 @@ HINT_RAISED = (
 
 
 def raised_lr(causes: Causes, step: int, data: dict[str, Any]) -> str:
-    """A spike's or an explosion's words on the learning rate: named too high within the last
-    ``QUIET_STEPS``, or raised ``RAISED`` times or more just before ``step`` (then named as the
-    cause: see :meth:`Causes.named`); ``data`` gains the cause (and the raise). Empty otherwise.
+    """A spike's or an explosion's words on the learning rate: raised ``RAISED`` times or more just
+    before ``step`` (then named as the cause: see :meth:`Causes.named`), else named too high within
+    the last ``QUIET_STEPS``; ``data`` gains the cause (and the raise). Empty otherwise.
     """
-    if causes.named(LR_HIGH, step):  # a consequence of it: still reported, and said so
+    found = causes.raised(step)  # a raise is told even after the learning rate was named (another event)
+    if found is None and causes.named(LR_HIGH, step):  # a consequence of it: still reported, and said so
         data["cause"] = "learning_rate"
         return " The learning rate was named too high before: lower it."
-    found = causes.raised(step)
     if found is None:
         return ""
     at, before, after = found
