@@ -35,7 +35,15 @@ from torch import nn
 from gradwatch.findings import Finding
 from gradwatch.layout import unwrap
 from gradwatch.rootcause import pergrad, words
-from gradwatch.rootcause.capture import KEEP_GRAD_NUMEL, KEEP_GRADS, MAX_CAPTURES, SMALL_OUTPUT, Capture, checked_ids
+from gradwatch.rootcause.capture import (
+    KEEP_GRAD_NUMEL,
+    KEEP_GRADS,
+    MAX_CAPTURES,
+    SMALL_OUTPUT,
+    Capture,
+    checked_ids,
+    sequence_first,
+)
 from gradwatch.rootcause.diagnose import diagnose, not_reproducible, reference_norms
 from gradwatch.rootcause.locate import Located, locate
 from gradwatch.rootcause.samples import describe
@@ -92,6 +100,7 @@ class Tracker:
         #: hooks are out of the module during later calls)
         self.uncaptured = 0
         self.rng = Rng(inner)
+        self.seq_first = sequence_first(inner)  # a (T, B, ...) input's samples run over its second dimension
         self._kinds = devices(inner)
         self._pending: dict[str, tuple[Any, bool]] = {}
         self._user_ids = False
@@ -116,6 +125,7 @@ class Tracker:
             self.uncaptured += 1
             return False
         cap = Capture.of(args, kwargs, self.rng.get(), Autocast.now(self._kinds))
+        cap.seq_first = self.seq_first
         (cap.ids, cap.weak_ids), (cap.losses, _) = self._pending.pop("ids", (None, False)), \
             self._pending.pop("losses", (None, False))
         self.captures.append(cap)

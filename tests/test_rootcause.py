@@ -465,3 +465,35 @@ def test_gpt_trainer_with_a_fully_masked_attention_row(tmp_path: Path) -> None:
     assert root["fact"].startswith("row [0, 0, 0] of the input is all -inf (every position masked)")
     assert root["cause"] == "model" and "grew" not in root and samples["indices"] == [0]
     assert found[0]["message"].startswith("NaN born in `aten::_softmax` at gpt.py:")
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_the_samples_of_a_sequence_first_batch_run_over_its_second_dimension(tmp_path: Path,
+                                                                            batch_first: bool) -> None:
+    """nn.LSTM takes (T, B, F) by default: a NaN in sequence 5 at time step 3 is sample 5 of 10, not 3 of 35."""
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(8, 16, batch_first=batch_first)
+            self.out = nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(x)[0])
+
+    torch.manual_seed(0)
+    model = gw.watch(Tagger(), run=tmp_path / "run", console=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(6):
+        x = torch.randn(35, 10, 8) if not batch_first else torch.randn(10, 35, 8)
+        if step == 4:
+            x[(3, 5, 2) if not batch_first else (5, 3, 2)] = float("nan")
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    gw.unwatch(model)
+    with gw.open_run(tmp_path / "run") as run:
+        error = run.findings().iloc[0]
+    assert (error.kind, error.step) == ("nonfinite", 4)
+    assert error.data["samples"]["indices"] == [5] and error.data["samples"]["batch"] == 10

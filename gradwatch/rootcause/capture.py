@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from gradwatch.rootcause.state import Autocast, tensors
 
@@ -59,6 +60,7 @@ class Capture:
     ids: Any = None
     weak_ids: bool = False
     losses: torch.Tensor | None = None
+    seq_first: bool = False  # the model takes sequence-first input (see :func:`sequence_first`)
 
     @classmethod
     def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], rng: list[torch.Tensor], autocast: Autocast) -> Capture:
@@ -82,11 +84,15 @@ class Capture:
 
     @property
     def batch(self) -> int | None:
-        """The batch size: the number of sample ids, else the first dimension of the first input tensor."""
+        """The batch size: the number of sample ids, else the first dimension of the first input tensor
+        (its second for a sequence-first model's: see :func:`sequence_first`).
+        """
         if self.ids is not None:
             return len(self.ids)
         first = next((t for t in tensors((self.args, self.kwargs)) if t.dim() > 0), None)
-        return int(first.shape[0]) if first is not None else None
+        if first is None:
+            return None
+        return int(first.shape[1]) if self.seq_first and first.dim() > 1 else int(first.shape[0])
 
     def sample_ids(self, indices: list[int]) -> list[Any] | None:
         """The user's ids of the samples at ``indices`` of the batch (None when no ids were given)."""
@@ -146,3 +152,12 @@ def plain(x: Any) -> Any:
     if isinstance(x, bool) or not isinstance(x, (int, float, str)):
         return str(x)
     return x
+
+
+def sequence_first(model: nn.Module) -> bool:
+    """Whether the model's first recurrent or attention module (in module order) takes sequence-first
+    input (``batch_first=False``, the default of ``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and
+    ``nn.MultiheadAttention``): then a ``(T, B, ...)`` input's batch is its second dimension.
+    """
+    first = next((m for m in model.modules() if isinstance(m, (nn.RNNBase, nn.MultiheadAttention))), None)
+    return first is not None and not first.batch_first
