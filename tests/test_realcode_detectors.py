@@ -168,6 +168,18 @@ def test_loss_divergence_after_the_learning_rate_was_named_is_not_a_second_findi
     assert [(f.step, f.data["divergence"]) for f in found] == [(5, True)]  # a level above 6.2 on steps 4 and 5
 
 
+def test_a_loss_that_creeps_up_is_not_a_divergence_and_one_that_runs_away_is() -> None:
+    """A GAN generator's loss rises from ln 2 to 1.1 over 200 steps as its discriminator learns: not a
+    divergence; the same start running away (x2 within 10 steps) is one."""
+    lay = layout({"a": 10})
+    creeping = [0.69 + 0.002 * k for k in range(200)]
+    running = [0.69 + 0.001 * (k % 3) for k in range(60)] + [0.7 * 1.08 ** k for k in range(1, 20)]
+    for losses, diverged in ((creeping, False), (running, True)):
+        spike = LossSpike()
+        found = [f for step, loss in enumerate(losses) for f in spike.check(record(lay, step, scalars={"loss": loss}))]
+        assert any(f.data.get("divergence") for f in found) == diverged, [(f.step, f.message) for f in found]
+
+
 def test_a_loss_that_can_be_negative_never_diverges() -> None:
     """A policy-gradient loss: no scale to diverge from."""
     lay = layout({"a": 10})

@@ -27,6 +27,8 @@ LEVEL = 3
 NOISY = 6.0
 #: consecutive steps the loss level stays above the bound before it is a divergence
 CONFIRM = 2
+#: a divergence's level is also at least ``RISE`` times its level ``RISE_STEPS`` steps before (once known)
+RISE, RISE_STEPS = 1.25, 20
 
 
 @dataclass
@@ -44,9 +46,11 @@ class LossSpike(Detector):
     A divergence, judged from the fourth step on (no other history needed): the loss level, the
     median of the last 3 losses, above ``diverge`` times the lowest of the first ``start``
     losses (more when those first losses are noisy: ``1 + 2 x`` their range over the lowest,
-    at most 6), on 2 steps in a row; judged until the loss level first falls below the lowest
-    first loss divided by ``diverge`` (training that made progress and then blows up is judged by
-    the spike baseline).
+    at most 6), on 2 steps in a row, and at least 1.25 times the level 20 steps before (once 20
+    steps are in: a level that creeps up over tens of steps, as a GAN generator's loss does while
+    its discriminator learns, is not running away); judged until the loss level first falls below
+    the lowest first loss divided by ``diverge`` (training that made progress and then blows up is
+    judged by the spike baseline).
     A high loss level within ``adapt_after`` steps of a reported spike is that spike's. Not
     judged for a loss that was ever zero or negative (a policy-gradient loss has no scale to
     diverge from). It names a learning rate that is too high, unless the ``learning_rate``
@@ -76,6 +80,7 @@ class LossSpike(Detector):
     _win: Values = field(init=False, repr=False)
     _first: list[float] = field(default_factory=list, init=False, repr=False)
     _recent: deque[float] = field(default_factory=lambda: deque(maxlen=LEVEL), init=False, repr=False)
+    _levels: deque[float] = field(default_factory=lambda: deque(maxlen=RISE_STEPS + 1), init=False, repr=False)
     _run: int = field(default=0, init=False, repr=False)
     _diverged: bool = field(default=False, init=False, repr=False)
     _above: int = field(default=0, init=False, repr=False)  # consecutive steps with the level above the bound
@@ -98,8 +103,13 @@ class LossSpike(Detector):
         level, base = self._divergence()
         spike, median, spread = self._spike(loss)
         self._run = self._run + 1 if spike else 0
-        # a high level soon after a reported spike is that spike's doing (a corrupted batch wrecked the model)
-        above = level is not None and not 0 <= record.step - self._spiked <= self.adapt_after
+        # a divergence runs away: a level that crept up over tens of steps (a GAN generator's loss as
+        # its discriminator learns) is not one; then a high level soon after a reported spike is that
+        # spike's doing (a corrupted batch wrecked the model)
+        current = _median(list(self._recent))
+        rising = len(self._levels) <= RISE_STEPS or current >= RISE * self._levels[0]
+        self._levels.append(current)
+        above = level is not None and rising and not 0 <= record.step - self._spiked <= self.adapt_after
         self._above = self._above + 1 if above else 0
         if not above and (not spike or self._run > self.adapt_after):
             self._win.update(loss if self._signed else math.log(loss))
