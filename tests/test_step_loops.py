@@ -430,3 +430,4 @@ def test_a_model_trained_in_eval_mode_throughout_is_still_replayed(tmp_path: Pat
         error = run.findings().iloc[0]
     assert (error.kind, error.step, error.data["root_cause"]["cause"]) == ("nonfinite", 20, "data")
     assert error.data["samples"]["indices"] == [5]
+    assert error.data["hint"].startswith("look at the samples named"), "the data's hint, not an op's"

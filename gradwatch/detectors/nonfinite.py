@@ -21,6 +21,12 @@ HINT = (
     "check the batch for NaN/Inf, lower the learning rate, or use bf16 instead of fp16"
 )
 
+#: the hint when the replay found the NaN/Inf in the data (the batch, or outlier samples)
+HINT_DATA = (
+    "look at the samples named and the data pipeline that made them; leave them out with a rule "
+    "(gw.Rule(when='nonfinite', do='skip', skip_samples=True)) while you fix the data"
+)
+
 
 @dataclass
 class NonFinite(Detector):
@@ -84,7 +90,7 @@ class NonFinite(Detector):
             "loss": loss,
             "nonfinite_grads": bad_grads,
             "layers": bad_layers[:20],
-            "hint": HINT,
+            "hint": HINT_DATA if (origin.get("root_cause") or {}).get("cause") == "data" else HINT,
         }
         if origin.get("note"):
             data["note"] = origin["note"]
