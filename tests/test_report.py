@@ -25,6 +25,7 @@ from gradwatch.errors import GradwatchError
 from gradwatch.findings import Finding
 from gradwatch.records import LAYER, Layout, StepRecord
 from gradwatch.report import data as report_data
+from gradwatch.report import items as report_items
 from gradwatch.report import render, write
 from gradwatch.report.remedies import explain
 from gradwatch.store.writer import StoreWriter, create_store
@@ -447,3 +448,21 @@ def test_start_here_gives_each_findings_own_remedy(tmp_path: Path) -> None:
     start = re.search(r"<h4>Start here</h4>(.*?)</ol>", render(run_dir), re.S)
     assert start is not None
     assert "Try: if it is meant to be frozen" in start.group(1) and "Build the optimizer" not in start.group(1)
+
+
+def test_a_nan_born_outside_the_layers_is_placed_in_the_input_batch_or_the_loss(tmp_path: Path) -> None:
+    """'Start here' and the headline say where a layer-less NaN/Inf was born, not "global"."""
+    torch.manual_seed(0)
+    model = gw.watch(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), run=tmp_path / "run", console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(6):
+        x = torch.randn(16, 4)
+        if step == 3:
+            x[2, 1] = float("nan")
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    gw.unwatch(model)
+    with gw.open_run(tmp_path / "run") as run:
+        (item,) = report_items.items(run, run.findings())
+    assert (item.kind, item.layer, item.where) == ("nonfinite", None, "the input batch")

@@ -56,11 +56,22 @@ class Item:
     #: the op, line, fact, cause and samples of its root cause (:func:`gradwatch.rootcause.words.rows`)
     root_cause: list[tuple[str, str]] = field(default_factory=list)
 
+    #: where a NaN/Inf was born outside the model's layers (origin tracking's ``source``: input, loss)
+    source: str | None = None
+
     @property
     def where(self) -> str:
-        """The layer (and phase), or "global"."""
+        """The layer (and phase); for a NaN/Inf born outside the layers, the input batch or the loss;
+        else "global".
+        """
+        if self.layer is None and self.source in _SOURCES:
+            return _SOURCES[self.source]
         where = self.layer if self.layer is not None else "global"
         return f"{where} ({self.phase})" if self.phase else where
+
+
+#: how a NaN/Inf born outside the model's layers is placed (origin tracking's ``source``)
+_SOURCES = {"input": "the input batch", "loss": "the loss"}
 
 
 def _outcome(action: str | None, outcome: Any) -> tuple[str | None, int | None]:
@@ -119,6 +130,7 @@ def items(run: Run, findings: pd.DataFrame, scalars: pd.DataFrame | None = None)
             repeats=int(data.get("repeats", 1) or 1),
             last_step=int(data["last_step"]) if isinstance(data.get("last_step"), int | float) else None,
             outcome=outcome, evidence=evidence, related=related, restored_step=restored, root_cause=words.rows(data),
+            source=data.get("source") if isinstance(data.get("source"), str) else None,
         ))
     if scalars is not None:
         for item in card_order(out)[:MAX_CARDS]:
