@@ -111,8 +111,11 @@ def _holder(fd: int) -> str:
 
 def writer_alive(pid: Any, host: Any) -> bool:
     """Whether the writer process still runs (unknown hosts count as alive)."""
-    if not isinstance(pid, int) or host != platform.node():
-        return True
+    return not isinstance(pid, int) or host != platform.node() or running(pid)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

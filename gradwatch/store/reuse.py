@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sqlite3
 from pathlib import Path
 
 from gradwatch.errors import RunError
+from gradwatch.store.lock import running
 from gradwatch.store.schema import DB_NAME
 
 #: files of a run that belong to the store being replaced (the TensorBoard files are matched apart)
@@ -33,15 +33,7 @@ def _held(db: Path) -> tuple[str, int, int | None, str | None] | None:
 
 def _writing(pid: int | None, host: str | None) -> bool:
     """Whether the process that created the run provably still runs (on this machine)."""
-    if pid is None or host != platform.node():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid is not None and host == platform.node() and running(pid)
 
 
 def claim(run_dir: Path, *, overwrite: bool) -> None:
