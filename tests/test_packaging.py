@@ -94,3 +94,20 @@ def test_a_built_wheel_installs_into_a_fresh_venv_and_runs(tmp_path: Path) -> No
                             ".findings(); print(f.loc[f.kind == 'nonfinite', 'data'].iloc[0]['origin'])"],
                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert found.stdout.strip() == "replayed", found.stdout + found.stderr
+
+
+#: what the repository's top level holds: the required layout, the project's files and the CI entry point
+KNOWN_TOP_LEVEL = {
+    ".ci", ".gitignore", "CHANGELOG.md", "CONTRIBUTING.md", "LICENSE", "README.md", "benchmarks", "dashboards",
+    "docs", "examples", "gradwatch", "integrations", "mkdocs.yml", "pyproject.toml", "tests",
+}
+
+
+def test_repository_top_level_holds_only_the_projects_entries() -> None:
+    """Scratch output (console logs such as out1.txt, err1.txt) is written to a temp dir, never committed."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an installed copy)")
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    top = {line.split("/", 1)[0] for line in listed.splitlines() if line}
+    assert top - KNOWN_TOP_LEVEL == set(), f"unexpected files at the repository's top level: {sorted(top - KNOWN_TOP_LEVEL)}"
+    assert {"pyproject.toml", "README.md", "gradwatch", "integrations", "dashboards", "tests", "examples"} <= top
