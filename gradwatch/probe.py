@@ -82,11 +82,49 @@ class Hook:
         return f"<gradwatch hook {getattr(self._call, '__qualname__', self._call)!r}>"
 
 
+class RootHook(Hook):
+    """A hook of the root module: gradwatch's own bookkeeping of a forward call (the iteration, the
+    capture a replay needs: inputs, RNG and autocast state), plain Python that belongs to no graph.
+
+    Under ``torch.compile(watched)`` the root's hooks are frames of their own around the compiled
+    forward: dynamo never traces such a frame nor anything it calls (see :func:`_untraced`), so that
+    the hook runs as in eager mode, with no graph break. Where the hook is traced inside a larger
+    graph instead (a compiled function that calls the model, a compiled ``nn.Sequential``), it does
+    nothing there: gradwatch then sees no forward call (origin tracking attributes a NaN cheaply).
+    """
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any) -> Any:
+        """Run the hook (nothing when traced into a graph)."""
+        if torch.compiler.is_dynamo_compiling():
+            return None
+        return Hook.__call__(self, *args)
+
+
+def _untraced(function: Callable[..., Any]) -> None:
+    """Have dynamo run ``function`` and every call made from it as plain Python whenever a frame of
+    it would start a trace: what ``torch.compiler.disable`` does, for the frames only (a call traced
+    inline is traced), without importing ``torch._dynamo`` (a second of import) before anyone compiles.
+
+    A no-op on a torch whose dynamo has no per-code frame strategy.
+    """
+    try:
+        from torch._C._dynamo import eval_frame
+        skip = eval_frame._FrameAction.SKIP
+        eval_frame.set_code_exec_strategy(function.__code__, eval_frame._FrameExecStrategy(skip, skip))
+    except (ImportError, AttributeError, TypeError):  # an older torch: its compiled modules call hooks outside dynamo
+        pass
+
+
+_untraced(RootHook.__call__)
+
+
 class Keeper(Protocol):
     """What keeps the gradient arriving at a forward call's output (origin tracking's capture)."""
 
-    def keep_grad(self, grad: torch.Tensor) -> None:
-        """Keep (a reference to) the gradient."""
+    def keep_grad(self, grad: torch.Tensor | None) -> None:
+        """Keep (a reference to) the gradient; None: no gradient came back through the output."""
 
 
 class Probe:
@@ -107,7 +145,7 @@ class Probe:
         self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
         self._on_output = on_output
-        pre = model.register_forward_pre_hook(Hook(self._forward_pre), with_kwargs=True)
+        pre = model.register_forward_pre_hook(RootHook(self._forward_pre), with_kwargs=True)
         self._handles: list[RemovableHandle] = [
             pre,
             register_optimizer_step_pre_hook(on_step_pre),
@@ -116,7 +154,7 @@ class Probe:
         #: the root's hooks: (hook dict, key) of each, taken out of their dicts while quiet
         self._root: list[tuple[dict[int, Any], int]] = [(model._forward_pre_hooks, pre.id)]
         if on_output is not None:
-            post = model.register_forward_hook(Hook(self._forward_post))
+            post = model.register_forward_hook(RootHook(self._forward_post))
             self._handles.append(post)
             self._root.append((model._forward_hooks, post.id))
         #: the root's hooks taken out while quiet: (hook dict, key, hook, keys of the hooks before it)
@@ -219,7 +257,7 @@ class Probe:
             if keeper is not None:  # held weakly: the keeper holds the output, whose hook this is
                 out.register_hook(functools.partial(self._output_grad_hook, weakref.ref(keeper)))
 
-    def _output_grad(self, keeper: weakref.ref[Keeper], grad: torch.Tensor) -> None:
+    def _output_grad(self, keeper: weakref.ref[Keeper], grad: torch.Tensor | None) -> None:
         if not self.paused:
             kept = keeper()
             if kept is not None:
@@ -300,7 +338,9 @@ class Probe:
         out = output if type(output) is torch.Tensor and output.is_floating_point() else first_tensor(output)
         if out is None:
             return
-        self.collected.add(index, out, limits, here=self.keep_hooks)
+        # traced into a graph (any compiled model's leaf): reduced there, where holding the output for a
+        # later batched reduction is not traceable
+        self.collected.add(index, out, limits, here=self.keep_hooks or torch.compiler.is_dynamo_compiling())
 
     def take_activations(self) -> list[Reduced]:
         """Hand over the activation statistics collected so far and start anew."""

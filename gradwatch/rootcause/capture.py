@@ -37,6 +37,9 @@ class Capture:
         grad_finite: a device flag saying whether that gradient was finite, when it was not kept.
         grad_kept: False for a small call after the step's first :data:`KEEP_GRADS`, whose output
             gradient is not hooked at all (see :data:`SMALL_OUTPUT`).
+        grad_none: the backward pass gave the output no gradient (autograd's None): nothing came back
+            through it, e.g. from a compiled model that computes its loss in its graph and returns it
+            beside the output (``gw.watch(torch.compile(m))``).
         output: the call's output (its first floating-point tensor), when small enough to keep: a
             replay whose output is finite where this one was not did not reproduce the step.
         several: the call returned more than that tensor (a tuple, a dict): a gradient may have come
@@ -55,6 +58,7 @@ class Capture:
     grad: torch.Tensor | None = None
     grad_finite: torch.Tensor | None = None
     grad_kept: bool = True
+    grad_none: bool = False
     output: torch.Tensor | None = None
     several: bool = False
     ids: Any = None
@@ -67,9 +71,13 @@ class Capture:
         """A capture of a forward call starting now."""
         return cls(args, dict(kwargs), rng, autocast, versions((args, kwargs)))
 
-    def keep_grad(self, grad: torch.Tensor) -> None:
-        """The gradient arriving at the call's output: kept, or reduced to a finiteness flag."""
-        if grad.numel() <= KEEP_GRAD_NUMEL:
+    def keep_grad(self, grad: torch.Tensor | None) -> None:
+        """The gradient arriving at the call's output: kept, or reduced to a finiteness flag; None
+        (no gradient came back through the output) is remembered as such.
+        """
+        if grad is None:
+            self.grad_none = True
+        elif grad.numel() <= KEEP_GRAD_NUMEL:
             self.grad = grad
         elif not grad.is_sparse:
             # its two ends are finite exactly when every element is (NaN propagates through min and

@@ -65,6 +65,10 @@ def output_grad(cap: Capture, out: torch.Tensor) -> tuple[torch.Tensor | None, s
     if not cap.grad_kept:
         return torch.ones_like(out), (f"replayed backward with a substitute output gradient (a small forward call "
                                       f"after the step's first {KEEP_GRADS} keeps no output gradient)")
+    if cap.grad_none:
+        return torch.ones_like(out), ("replayed backward with a substitute output gradient (none came back through "
+                                      "the model's first output: the loss came through another one, as a compiled "
+                                      "model's own loss does)")
     return torch.ones_like(out), "replayed backward with a substitute output gradient"
 
 
