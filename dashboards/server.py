@@ -21,7 +21,6 @@ Every route is GET: nothing here writes.
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import socket
 import threading
@@ -44,6 +43,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gradwatch import encoding
 from gradwatch.dashboards import data
 from gradwatch.errors import GradwatchError
 from gradwatch.report.figures import script_json
@@ -125,8 +125,18 @@ class _SecurityHeaders:
                 scope, receive, with_headers)
 
 
+class StrictJSONResponse(JSONResponse):
+    """A JSON response written by :mod:`gradwatch.encoding`: strict JSON, a non-finite number ``null``
+    with its string form beside it (the same scheme as ``gradwatch check --format json``).
+    """
+
+    def render(self, content: Any) -> bytes:
+        """The body: compact strict JSON in UTF-8."""
+        return encoding.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+    return StrictJSONResponse({"error": message}, status_code=status)
 
 
 def _int(request: Request, name: str) -> int | None:
@@ -219,7 +229,8 @@ class Dashboard:
 
         async def endpoint(request: Request) -> Response:
             try:
-                return JSONResponse(await run_in_threadpool(work, request), headers={"cache-control": "no-store"})
+                return StrictJSONResponse(await run_in_threadpool(work, request),
+                                          headers={"cache-control": "no-store"})
             except data.NotFound as exc:
                 return _error(404, f"no run or layer named {str(exc)!r} here")
             except data.BadRequest as exc:
@@ -289,7 +300,7 @@ class Dashboard:
                 else:
                     batch = [("runs", "", await run_in_threadpool(self.root.runs))]
                 for event, key, payload in batch:
-                    text = json.dumps(payload, separators=(",", ":"))
+                    text = encoding.dumps(payload, separators=(",", ":"))
                     if sent.get(key) != text:
                         sent[key] = text
                         quiet = time.monotonic()

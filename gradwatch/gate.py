@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from gradwatch.encoding import whole
 from gradwatch.errors import ConfigError
 from gradwatch.findings import SEVERITIES, rank
 
@@ -69,7 +70,7 @@ class Item:
         root, samples, ms = data.get("root_cause"), data.get("samples"), data.get("replay_ms")
         return cls(kind=str(row.kind), severity=str(row.severity), step=int(row.step),
                    layer=text_or_none(row.layer), phase=text_or_none(row.phase), message=str(row.message),
-                   action=text_or_none(row.action), repeats=int(data.get("repeats", 1)),
+                   action=text_or_none(row.action), repeats=whole(data.get("repeats"), 1),
                    hint=text_or_none(data.get("hint")), origin=origin,
                    root_cause=root if isinstance(root, dict) else None,
                    samples=samples if isinstance(samples, dict) else None,

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gradwatch import encoding
 from gradwatch.files import write_text_atomic
 
 VERDICT = "verdict.json"
@@ -13,7 +14,7 @@ VERDICT = "verdict.json"
 
 def write(run_dir: Path, verdict: dict[str, Any]) -> None:
     """Write ``verdict.json`` through a temporary file and a rename (never half-written)."""
-    text = json.dumps(verdict, indent=2, allow_nan=False, default=str) + "\n"
+    text = encoding.dumps(verdict, indent=2, default=str) + "\n"
     write_text_atomic(run_dir / VERDICT, text, "the verdict")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -15,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gradwatch import gate, verdict
+from gradwatch import encoding, gate, verdict
 from gradwatch.cli import USAGE_ERROR, cli
 from gradwatch.errors import GradwatchError
 from gradwatch.files import write_text_atomic
@@ -143,9 +142,11 @@ def render_text(results: list[Checked], file: Any) -> None:
 
 
 def render_json(results: list[Checked]) -> str:
-    """One object for one run, an array for several."""
+    """One object for one run, an array for several; strict JSON (a non-finite number is ``null`` with
+    its string form beside it: :mod:`gradwatch.encoding`).
+    """
     objs = [r.to_json() for r in results]
-    return json.dumps(objs[0] if len(objs) == 1 else objs, indent=2, allow_nan=False) + "\n"
+    return encoding.dumps(objs[0] if len(objs) == 1 else objs, indent=2) + "\n"
 
 
 def render_junit(results: list[Checked]) -> str:
@@ -275,7 +276,7 @@ def ls(root: Path, fmt: str) -> None:
         raise click.UsageError(f"no such folder: {str(root)!r}")
     rows = [describe_run(d, root) for d in find_runs(root)]
     if fmt == "json":
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(encoding.dumps(rows, indent=2))
         return
     console = _console(sys.stdout)
     if not rows:

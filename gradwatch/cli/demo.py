@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gradwatch import encoding
 from gradwatch.cli import cli
 from gradwatch.store.reader import open_run
 from gradwatch.summary import Summary, summarize
@@ -82,7 +83,7 @@ def render_findings(console: Console, findings: pd.DataFrame) -> None:
         table.add_column(col, overflow="fold")
     for row in findings.itertuples():
         layer = row.layer if isinstance(row.layer, str) else "-"
-        repeats = row.data.get("repeats", 1) if isinstance(row.data, dict) else 1
+        repeats = encoding.whole(row.data.get("repeats"), 1) if isinstance(row.data, dict) else 1
         step = f"{row.step}" + (f" (x{repeats})" if repeats > 1 else "")
         table.add_row(step, row.severity, row.kind, layer, row.action or "-", escape(row.message))
     console.print(table)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -14,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gradwatch import encoding
 from gradwatch.cli import cli
 from gradwatch.doctor import CHECKS, FAIL, FAIL_ON, PASS, WARN, CheckResult, DoctorOptions, diagnose, exit_code
 
@@ -54,7 +54,7 @@ def render_text(results: Sequence[CheckResult], target: str, fail_on: str, secon
 
 def render_json(results: Sequence[CheckResult]) -> str:
     """A JSON array of ``{check, status, evidence, suggestion}``."""
-    return json.dumps([r.to_json() for r in results], indent=2) + "\n"
+    return encoding.dumps([r.to_json() for r in results], indent=2) + "\n"
 
 
 @cli.command()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import json
 import math
 
 import numpy as np
@@ -11,6 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from plotly.utils import PlotlyJSONEncoder
 
+from gradwatch import encoding
 from gradwatch.report.data import Flow, Heat, Report
 from gradwatch.report.items import Item, Spark
 from gradwatch.report.marks import loss_log
@@ -39,9 +39,10 @@ def label(text: str) -> str:
 def script_json(value: object) -> str:
     """JSON that is safe inside a ``<script>`` element (no ``<``, ``>`` or ``&``).
 
-    numpy arrays travel as plotly's base64 typed arrays; non-finite numbers become null.
+    numpy arrays travel as plotly's base64 typed arrays; a non-finite number is null (chart data: a gap;
+    :mod:`gradwatch.encoding`), and the text is strict JSON.
     """
-    text = json.dumps(value, cls=PlotlyJSONEncoder, separators=(",", ":"))
+    text = encoding.dumps(value, cls=PlotlyJSONEncoder, beside=False, separators=(",", ":"))
     for char, escaped in _UNSAFE:
         text = text.replace(char, escaped)
     return text

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from gradwatch.encoding import whole
 from gradwatch.findings import rank
 from gradwatch.report.remedies import explain
 from gradwatch.report.text import fmt
@@ -103,7 +104,7 @@ def _outcome(action: str | None, outcome: Any) -> tuple[str | None, int | None]:
     if outcome.get("samples_skipped"):
         text += f"; sample{'s' if len(outcome['samples_skipped']) > 1 else ''} "
         text += f"{', '.join(map(repr, outcome['samples_skipped'][:8]))} left out of the batches after it"
-    return text, int(restored) if isinstance(restored, int | float) else None
+    return text, whole(restored)
 
 
 def items(run: Run, findings: pd.DataFrame, scalars: pd.DataFrame | None = None) -> list[Item]:
@@ -127,8 +128,8 @@ def items(run: Run, findings: pd.DataFrame, scalars: pd.DataFrame | None = None)
             index=i, step=int(row.step), kind=str(row.kind), severity=str(row.severity), layer=layer,
             phase=row.phase if isinstance(row.phase, str) else None, message=str(row.message), action=action,
             hint=data.get("hint") if isinstance(data.get("hint"), str) else None,
-            repeats=int(data.get("repeats", 1) or 1),
-            last_step=int(data["last_step"]) if isinstance(data.get("last_step"), int | float) else None,
+            repeats=whole(data.get("repeats"), 1) or 1,
+            last_step=whole(data.get("last_step")),
             outcome=outcome, evidence=evidence, related=related, restored_step=restored, root_cause=words.rows(data),
             source=data.get("source") if isinstance(data.get("source"), str) else None,
         ))

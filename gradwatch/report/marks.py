@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from gradwatch.encoding import whole
 from gradwatch.findings import rank
 
 #: a positive series whose largest value is more than this many times its smallest is drawn on a log scale
@@ -53,4 +54,4 @@ def flow_marks(findings: pd.DataFrame, step: int, layers: Iterable[str]) -> tupl
 
 def _last_step(data: Any, step: int) -> int:
     last = data.get("last_step") if isinstance(data, dict) else None
-    return max(step, int(last)) if isinstance(last, int | float) and not isinstance(last, bool) else step
+    return max(step, whole(last, step))

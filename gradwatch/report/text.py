@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from gradwatch import encoding
+
 
 def fmt(value: Any) -> str:
     """A number for people: 3 significant digits, thousands separators for integers."""
@@ -19,10 +21,8 @@ def fmt(value: Any) -> str:
         return f"{int(value):,}"
     if isinstance(value, float | np.floating):
         v = float(value)
-        if math.isnan(v):
-            return "NaN"
-        if math.isinf(v):
-            return "Inf" if v > 0 else "-Inf"
+        if not math.isfinite(v):
+            return encoding.text(v)  # nan, inf, -inf: the string forms every output writes
         if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
             return f"{v:.3g}"
         return f"{v:.4g}"
