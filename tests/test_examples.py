@@ -104,6 +104,8 @@ def test_lightning_example_runs_as_written(tmp_path: Path) -> None:
     assert list(found.kind) == ["nonfinite"] and list(found.step) == [30]
     assert list(found.layer) == ["features"] and list(found.action) == ["skip"]
     assert "step 30: nonfinite in features (forward) -> skip" in result.stdout
+    root = found.iloc[0].data["root_cause"]  # the example's docstring: batch 30 holds a zero, which log makes -inf
+    assert (root["op"], root["cause"], found.iloc[0].data["samples"]["indices"]) == ("aten::log", "data", [0])
     loss = run.scalars()["loss"]
     assert loss.iloc[-10:].mean() < loss.iloc[:10].mean() / 10, "training went on after the skipped step"
 
@@ -134,6 +136,12 @@ def test_tutorial_fails_at_the_planted_zero_and_the_fix_passes_the_gate(tmp_path
     assert (finding.step, finding.kind, finding.layer, finding.phase, finding.action) == (
         60, "nonfinite", "0", "forward", "halt")
     assert finding.data["root_cause"]["op"] == "aten::log" and finding.data["samples"]["indices"] == [17]
+    # a finite batch whose sample 17 puts a 0 into the log: the data's doing, as docs/tutorial.md says
+    assert finding.data["root_cause"]["cause"] == "data", finding.message
+    line = finding.data["root_cause"]["line"]
+    assert (f"cause: data (only 1 of the batch's 64 samples went NaN/Inf, by a 0 in the input of log at "
+            f"tutorial.py:{line}") in " ".join(failing.stderr.split())
+    assert "samples to blame: sample 17" in finding.message and "cause: model" not in failing.stderr
     fixed = subprocess.run([sys.executable, str(EXAMPLES / "tutorial.py"), "--fixed"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=600)
     assert fixed.returncode == 0, fixed.stderr

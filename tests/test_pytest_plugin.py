@@ -220,7 +220,8 @@ def test_nonfinite_training_fails_naming_kind_step_and_layer(pytester: pytest.Py
         "gradwatch: 1 finding at or above 'error' in the training this test ran",
         "model 0 (Net), run *gradwatch-0:",
         "  step 5 error nonfinite at features (forward): NaN born in `aten::log` at trainlib.py:* "
-        "`return torch.log(x)` in the forward pass of features (LogFeatures) at step 5: *; cause: model*"
+        "`return torch.log(x)` in the forward pass of features (LogFeatures) at step 5: *; cause: data (only 1 of "
+        "the batch's 32 samples went NaN/Inf, by a negative value in the input of log at trainlib.py:*"
         "[[]action: skip[]] Try: *",
         "FAILED test_nan.py::test_poisoned_batch - Failed: gradwatch: 1 finding at or above 'error'*",
     ])

@@ -27,6 +27,12 @@ HINT_DATA = (
     "(gw.Rule(when='nonfinite', do='skip', skip_samples=True)) while you fix the data"
 )
 
+#: the hint when the samples' own (finite) values made an op's NaN/Inf (a 0 into a log or a divisor)
+HINT_DATA_OP = (
+    "look at the samples named and the data pipeline that made them; if such values are valid, guard the op "
+    "(clamp its input, add an epsilon to the divisor); leave them out with a rule (gw.Rule(when='nonfinite', do='skip', skip_samples=True)) while you fix the data"
+)
+
 
 @dataclass
 class NonFinite(Detector):
@@ -90,7 +96,7 @@ class NonFinite(Detector):
             "loss": loss,
             "nonfinite_grads": bad_grads,
             "layers": bad_layers[:20],
-            "hint": HINT_DATA if (origin.get("root_cause") or {}).get("cause") == "data" else HINT,
+            "hint": _hint(origin.get("root_cause") or {}),
         }
         if origin.get("note"):
             data["note"] = origin["note"]
@@ -110,6 +116,13 @@ class NonFinite(Detector):
             i = int(np.flatnonzero(np.nan_to_num(counts) > 0)[-1])  # backward runs in reverse model order
             return {"phase": "backward", "layer": layout.layers[i], "type": layout.layer_types[i], "how": "attributed"}
         return {"phase": "forward", "layer": None, "how": "attributed", "source": "loss"}
+
+
+def _hint(root: dict[str, Any]) -> str:
+    """What to try, by the cause the replay found."""
+    if root.get("cause") != "data":
+        return HINT
+    return HINT_DATA_OP if root.get("op") else HINT_DATA
 
 
 def _where(origin: dict[str, Any]) -> str:

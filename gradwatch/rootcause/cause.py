@@ -1,7 +1,9 @@
 """Cause (judge stage, rare path): data, precision, not reproducible, or model — by replays of the same step.
 
-- **data**: the batch itself holds NaN/Inf, or the samples that went non-finite are outliers of
-  the batch (values far beyond the others');
+- **data**: the batch itself holds NaN/Inf; or the samples that went non-finite are outliers of
+  the batch (values far beyond the others'); or, the batch being finite, only some samples went
+  non-finite at an op whose offending input no trainable weight enters (a 0 that the batch puts
+  into a log or a division's divisor: a box of area 0, an empty row);
 - **precision**: the origin module, replayed alone in float32 (float64 when it already ran in
   float32) with autocast off, stays finite;
 - **not reproducible**: the replay (same inputs, same RNG) is finite where the step was not
@@ -126,6 +128,14 @@ def words_precision(located: Located, dtype: str, autocast: Autocast, op: str | 
         return f"{what} (it ran under {ran}): {fix}"
     return (f"{what}: its values exceed float32's range; rescale its inputs (normalize), or compute "
             f"{op or 'that op'} in float64")
+
+
+def words_batch(rows: list[int], batch: int, culprit: str | None, line: str | None) -> str:
+    """The detail of a data cause whose batch is finite: the samples' own values hit a pole of the op."""
+    some = f"only {len(rows):,} of the batch's {batch:,} samples" if len(rows) < batch else "the batch's sample"
+    at = f" at {line}" if line else ""
+    return (f"{some} went NaN/Inf, by {culprit or 'their values'}{at}, a value the batch alone makes: no "
+            "trainable weight enters it")
 
 
 def words_model(grew: list[dict[str, Any]], dtype: str | None) -> str:

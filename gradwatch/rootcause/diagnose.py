@@ -107,7 +107,8 @@ def _weight_rows(born: ops.Born, batch: int | None) -> list[int] | None:
 def _cause(model: nn.Module, cap: Capture, located: Located, call: dict[str, Any], rng: Rng,
            reference: dict[str, float], rows: list[int] | None, born: ops.Born | None) -> dict[str, Any]:
     """The cause class and its detail: outlier samples are data (even when a wider type would survive
-    them), else a wider type that stays finite is precision, else the model.
+    them), else a wider type that stays finite is precision, else some samples whose own values hit
+    the op (its offending input carries no trainable weight) are data, else the model.
     """
     module = located.module
     assert module is not None
@@ -131,6 +132,10 @@ def _cause(model: nn.Module, cap: Capture, located: Located, call: dict[str, Any
     if wider:
         return {"cause": cause.PRECISION, "cause_detail": cause.words_precision(located, str(dtype), cap.autocast, op),
                 "precision_replay": dtype}
+    if born is not None and born.weightless and rows and batch is not None and (len(rows) < batch or batch == 1):
+        line = born.line.short() if born.line is not None else None
+        return {"cause": cause.DATA, "cause_detail": cause.words_batch(rows, batch, born.culprit, line),
+                "culprit": born.culprit, **({"precision_replay": dtype} if dtype else {})}
     grew = cause.grown(model, reference)
     out: dict[str, Any] = {"cause": cause.MODEL, "cause_detail": cause.words_model(grew, dtype)}
     if grew:

@@ -174,6 +174,48 @@ _FORWARD: dict[str, Callable[[Sequence[Any], torch.Tensor], str | None]] = {
 }
 
 
+#: ops whose NaN/Inf comes from one argument's value at a pole of the op (0 for log and a division's
+#: divisor, a negative value for sqrt ...): that argument's position
+POLES = {"log": 0, "log2": 0, "log10": 0, "log1p": 0, "sqrt": 0, "rsqrt": 0, "reciprocal": 0, "div": 1,
+         "true_divide": 1, "pow": 0}
+
+
+def weightless(op: str, args: Sequence[Any]) -> bool:
+    """Whether the values that made an op's NaN/Inf carry no trainable weight: the argument at the
+    op's pole (the divisor of a division, the input of a log), else every floating-point input, holds
+    no gradient history (computed from the batch, constants and frozen weights alone).
+
+    A pole that is a plain number (a division by the constant 0) is the code's, never the batch's.
+    """
+    at = POLES.get(op.rstrip("_"))
+    if at is not None:
+        culprit = args[at] if len(args) > at else None
+        return isinstance(culprit, torch.Tensor) and not culprit.requires_grad
+    ins = [a for a in args if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())]
+    return bool(ins) and not any(a.requires_grad for a in ins)
+
+
+def culprit(op: str, args: Sequence[Any]) -> str:
+    """What in an op's inputs made its NaN/Inf, in a few words: ``a 0 in the divisor of the division``."""
+    name = op.rstrip("_")
+    at = POLES.get(name)
+    x = args[at] if at is not None and len(args) > at and isinstance(args[at], torch.Tensor) else None
+    if x is None or not x.is_floating_point():
+        return f"values that `{op}` turns into NaN/Inf"
+    if name in ("div", "true_divide"):
+        return "a 0 in the divisor of the division"
+    if name == "reciprocal":
+        return "a 0 in the input of 1/x"
+    if name == "pow":
+        return "a 0 or negative base of pow"
+    low = -1.0 if name == "log1p" else 0.0
+    with torch.no_grad():
+        zero, below = bool((x == low).any()), bool((x < low).any())
+    value = {(True, False): f"a {low:g}", (False, True): f"a value below {low:g}" if low else "a negative value",
+             (True, True): f"values of {low:g} and below" if low else "a 0 and negative values"}.get((zero, below))
+    return f"{value or 'a value'} in the input of {name}"
+
+
 def forward(op: str, func: Callable[..., Any] | None, args: Sequence[Any], kwargs: dict[str, Any],
             out: torch.Tensor) -> str:
     """Why an op with finite inputs returned NaN/Inf (``op`` without ``aten::`` and overload)."""

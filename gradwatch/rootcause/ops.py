@@ -48,6 +48,9 @@ class Born:
         param: the parameter whose gradient it made non-finite (backward).
         scores: for a parameter's gradient, how much each row of the batch puts into it
             (``|x_i| |g_i|`` of a matrix product's input and incoming gradient), in float64.
+        weightless: the input values that made it carry no trainable weight (computed from the
+            batch, constants and frozen weights alone; forward only, see :func:`facts.weightless`).
+        culprit: what in its inputs made it, in a few words (``a 0 in the input of log``; forward only).
     """
 
     op: str
@@ -60,6 +63,8 @@ class Born:
     node: str | None = None
     param: str | None = None
     scores: torch.Tensor | None = None
+    weightless: bool = False
+    culprit: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The plain data of a finding's ``root_cause``."""
@@ -134,7 +139,8 @@ class Ops(TorchDispatchMode):
             first = next(t for t in outs if not bool(torch.isfinite(t).all()))
             self.born = Born(op=str(func._schema.name), phase="forward", layer=self.layer,
                              what="NaN" if out_nan else "Inf", fact=facts.forward(name, func, kept, kwargs, first),
-                             line=user_line(), rows=first)
+                             line=user_line(), rows=first, weightless=facts.weightless(name, args),
+                             culprit=facts.culprit(name, kept))
         return out
 
 
