@@ -136,8 +136,8 @@ class Iteration:
         self._ref_idx, self.refs = preclip.reference_indices(found.params), None
         if self._compiled:
             self.probe.keep_root_hooks()
-        if self._compiled and self._options.activations:  # hooks in the graph: registered before it is traced
-            self.probe.keep_activation_hooks(found.leaf_modules)
+        if (self._compiled or self.probe.keep_hooks) and self._options.activations:  # hooks in the graph:
+            self.probe.keep_activation_hooks(found.leaf_modules)                       # registered before it is traced
 
     def move_sentinel(self) -> None:
         """Put the sentinel on a parameter that does receive gradients."""
@@ -161,6 +161,10 @@ class Iteration:
             self.carry = (self.observed, self.probe.take_activations())
             self.observed = {}
         captured = self._tracker is not None and self._tracker.capture(args, kwargs or {})
+        if self._activations and not self.probe.keep_hooks and self.probe.compiled_call():
+            # ``torch.compile(watched)``: the graph about to be traced holds the leaves' hooks (as a compiled
+            # model's does), switched on for sampled steps; registered only then, later graphs would lack them
+            self.probe.keep_activation_hooks(self.found.leaf_modules)
         if self._activations and not self.probe.collecting and (
                 steps.sampled(steps.step) or (self.carry is not None and steps.sampled(steps.step + 1))):
             self.probe.attach_activations(self.found.leaf_modules)

@@ -21,6 +21,7 @@ per step takes ``nn.Module``'s path without hooks), then back in their place.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -227,6 +228,15 @@ class Probe:
             hooks.update([kv for kv in items if kv[0] in before])
             hooks[key] = hook
             hooks.update([kv for kv in items if kv[0] not in before])
+
+    @staticmethod
+    def compiled_call() -> bool:
+        """Whether the forward call now starting runs compiled, its root's hooks around the graph
+        (``torch.compile(watched)``): the leaves' hooks are traced into the graph.
+        """
+        dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled
+        inside = getattr(getattr(dynamo, "eval_frame", None), "_is_in_optimized_module", None)
+        return bool(inside()) if inside is not None else dynamo is not None and torch.compiler.is_compiling()
 
     def keep_root_hooks(self) -> None:
         """Leave the root's hooks in place while quiet (a compiled model's graph is guarded on them)."""
