@@ -99,6 +99,8 @@ class Measure:
         self.missing: tuple[int, ...] = ()
         #: CPU buffers for the weights' copies of sampled steps, by parameter index
         self._pool: dict[int, torch.Tensor] = {}
+        #: the parameters with a gradient at the latest snapshot (those without one are not updated)
+        self._snapped: set[int] = set()
 
     @torch.no_grad()
     def launch(self, sampled: bool, acts: Activations) -> Launched:
@@ -222,6 +224,7 @@ class Measure:
         """
         if not step.sampled or not step.gidx:
             return {}
+        self._snapped = set(step.gidx)  # the parameters with a gradient on this step
         weights = self._weights(step.gidx)
         if not all(w.device.type == "cpu" for w in weights):
             return dict(zip(step.gidx, torch._foreach_mul(weights, 1.0)))
@@ -241,21 +244,35 @@ class Measure:
     ) -> tuple[list[int], list[torch.Tensor]]:
         """Launch ||w_before - w_after|| for the snapshotted parameters among ``indices``: one value
         per index, in a few 1-D tensors (one unless the parameters are on several devices).
+
+        The parameters among ``indices`` that got no gradient on this step (frozen ones the
+        optimizer was built with, an unused branch) are not snapshotted: an optimizer skips a
+        parameter without a gradient, so their update is 0, known without a copy.
         """
         idx = [i for i in indices if i in before]
-        if not idx:
-            return [], []
-        moved = [before.pop(i) for i in idx]
-        torch._foreach_sub_(moved, self._weights(idx))  # our own copies: in place
-        return idx, stats.stacked(stats.norms(moved))
+        still = [i for i in indices if i not in self._snapped]
+        parts: list[torch.Tensor] = []
+        if idx:
+            moved = [before.pop(i) for i in idx]
+            torch._foreach_sub_(moved, self._weights(idx))  # our own copies: in place
+            parts = stats.stacked(stats.norms(moved))
+        if still:
+            parts.append(torch.zeros(len(still), device=self._weights(still[:1])[0].device))
+        return idx + still, parts
 
     def update_ratios(self, vectors: dict[tuple[str, str], np.ndarray], idx: list[int], host: np.ndarray) -> None:
-        """Add ``update_ratio`` = ||delta w|| / ||w|| (per parameter and per layer) to a step's vectors."""
+        """Add ``update_ratio`` = ||delta w|| / ||w|| (per parameter and per layer) to a step's vectors.
+
+        NaN only where the update was not measured (no optimizer that stepped holds the parameter):
+        weights of 0 that did not move (a zero-initialised bias in a param group with learning rate
+        0) have a ratio of 0, and ones that moved an infinite ratio.
+        """
         delta = np.full(len(self.found.params), np.nan)
         delta[idx] = host
         layer_delta = self._agg.norm(delta, ~np.isnan(delta))
         with np.errstate(invalid="ignore", divide="ignore"):
             for scope, moved in ((PARAM, delta), (LAYER, layer_delta)):
                 weights = vectors[(scope, "param_norm")].astype(np.float64)
-                vectors[_key(scope, "update_ratio")] = (moved / weights).astype(np.float32)
+                ratio = np.where((moved == 0) & (weights == 0), 0.0, moved / weights)
+                vectors[_key(scope, "update_ratio")] = ratio.astype(np.float32)
 

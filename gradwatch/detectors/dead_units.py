@@ -8,7 +8,7 @@ import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.findings import Finding
-from gradwatch.records import StepRecord, present
+from gradwatch.records import PARAM, StepRecord, present
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 
@@ -36,6 +36,12 @@ class DeadUnits(Detector):
     before it (a ``Dropout``, a pooling or a bias-free ``Conv2d`` after a functional ``F.relu``),
     that is the nearest leaf before it in model order that still ran with non-zero outputs and
     gets an exactly-zero gradient: its outputs are all negative and the ReLU after it zeroes them.
+    A leaf with weights is taken to carry zeros only when the autograd graph shows that its input
+    was all zeros: its weights got an exactly-zero gradient (a weight's gradient is its input times
+    the output's gradient) and are not all zero themselves. A ``Linear`` whose weights are all
+    exactly zero (LoRA's ``lora_B`` at its initialisation) makes its zeros itself: it is neither a
+    carrier nor dead (its units never lived; a zero layer that never changes is
+    ``unoptimized_parameter``'s), and the leaf before it is not blamed.
     The layers that get exactly-zero gradients because of it are named in the same finding
     (``vanishing`` does not report them).
 
@@ -63,9 +69,11 @@ class DeadUnits(Detector):
         seen = present(record, "layer", self.metric)
         out: dict[int, Finding] = {}
         layout = record.layout
+        weights = record.vector("param_norm")
         for leaf in np.flatnonzero(seen):
             key = (layout.version, int(leaf))
-            hit = bool(values[leaf] >= self.threshold)
+            zero_layer = weights is not None and layout.layer_numel[leaf] > 0 and weights[leaf] == 0
+            hit = bool(values[leaf] >= self.threshold) and not zero_layer  # zero weights make zeros by design
             self._runs[key] = self._runs.get(key, 0) + 1 if hit else 0
             if self._runs[key] != self.patience:
                 continue
@@ -98,7 +106,7 @@ class DeadUnits(Detector):
         """The leaf whose outputs a functional ReLU zeroed before they reached carrier leaf ``i``, if found."""
         layout = record.layout
         grad = record.vector("grad_norm")
-        if layout.layer_types[i] not in CARRIERS or grad is None:
+        if layout.layer_types[i] not in CARRIERS or grad is None or not self._fed_zeros(record, i):
             return None
         before = [j for j in layout.leaves if j < i and seen[j]]
         for j in reversed(before):
@@ -108,6 +116,27 @@ class DeadUnits(Detector):
                 continue  # carries the same zeros
             return j if layout.layer_numel[j] > 0 and grad[j] == 0 else None
         return None
+
+    @staticmethod
+    def _fed_zeros(record: StepRecord, i: int) -> bool:
+        """Whether the autograd graph shows that leaf ``i``'s input was all zeros: true for a leaf
+        without weights (nothing to tell by), else its weights are not all zero and got an exactly-zero
+        gradient (the gradient of a weight is its input times the output's gradient: an input that was
+        not all zeros gives one, as ``lora_A``'s outputs do to a ``lora_B`` still at zero); frozen
+        weights (no gradient) tell nothing.
+        """
+        layout = record.layout
+        if layout.layer_numel[i] == 0:
+            return True
+        weights = record.vector("param_norm")
+        if weights is None or not weights[i] > 0:
+            return False
+        grads = record.vector("grad_norm", PARAM)
+        own = [p for layer, p in layout.owners if layer == i and not layout.params[p].endswith("bias")]
+        if grads is None or not own:
+            layer_grad = record.vector("grad_norm")
+            return layer_grad is not None and layer_grad[i] == 0
+        return all(grads[p] == 0 or np.isnan(grads[p]) for p in own)  # NaN: frozen, no gradient to tell by
 
     @staticmethod
     def _cut_off(record: StepRecord, at: int) -> list[str]:

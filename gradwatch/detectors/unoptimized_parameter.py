@@ -18,6 +18,10 @@ HINT_HELD = (
     "into groups: one that matches neither group drops the parameter); if it is meant to stay fixed, "
     "requires_grad_(False) saves its gradient"
 )
+HINT_FROZEN = (
+    "build the optimizer after wrapping or freezing the model, from the parameters that require a gradient "
+    "(e.g. after peft.get_peft_model: AdamW(p for p in model.parameters() if p.requires_grad))"
+)
 HINT_ZERO = (
     "if it is meant to be frozen, requires_grad_(False) says so and saves its gradient; otherwise check its "
     "param group: a learning rate of 0 (a typo for weight_decay=0?), or a scheduler lambda that returns 0"
@@ -34,14 +38,17 @@ HELD = "optimizer_held"
 @dataclass
 class UnoptimizedParameter(Detector):
     """Parameters that require grad and get a non-zero gradient, but that no optimizer updates,
-    judged on sampled steps (the update is measured there, one step later) while the rest of
-    the model moves (its median layer's update ratio is at least 1e-4: below that, an update of exactly
-    0 may be float32 rounding of a too-low learning rate; likewise a parameter whose gradient,
-    relative to its weights, is below 1e-3 of the median one is not judged): either no optimizer stepping the model
-    holds them (their update is not measured at all), or their update is exactly zero (a param
-    group with learning rate 0).
+    judged on sampled steps (the update is measured there, one step later): either no optimizer
+    stepping the model holds them (their update is not measured at all), whether or not the rest
+    of the model moves (an optimizer built before ``peft.get_peft_model`` holds only the frozen
+    base weights: nothing moves, and the adapters and the new head are in no optimizer), or their
+    update is exactly zero (a param group with learning rate 0), judged while the rest of the model
+    moves (its median layer's update ratio is at least 1e-4: below that, an update of exactly 0 may
+    be float32 rounding of a too-low learning rate; likewise a parameter whose gradient, relative
+    to its weights, is below 1e-3 of the median one is not judged).
     One finding for all the parameters found on the same step for the same reason, at the layer
-    of the first of them.
+    of the first of them; an error when the optimizers hold no trainable parameter at all (the run
+    trains nothing), else a warning.
 
     Not being held by any optimizer is inferred from an update that was not measured; when the
     record carries the per-parameter ``optimizer_held`` vector (1 where an optimizer that stepped
@@ -72,31 +79,39 @@ class UnoptimizedParameter(Detector):
             self._version, self._runs = layout.version, np.zeros(len(layout.params), dtype=np.int64)
         layers = record.vector("update_ratio")
         moving = layers[np.isfinite(layers) & (layers > 0)] if layers is not None else np.zeros(0)
-        if not len(moving) or np.median(moving) < MOVING:
-            return []  # nothing moves (lr 0, e.g. a warmup's first step), or too little to tell 0 from rounding
+        # nothing moves (lr 0, e.g. a warmup's first step), or too little to tell an update of 0 from rounding
+        still = not len(moving) or np.median(moving) < MOVING
         moved = np.isfinite(ratio) & (ratio > 0)
+        trainable = np.asarray(layout.trainable, dtype=bool)
         # a weight norm of 0 (a bias initialised at zero) gives no ratio, and a gradient far smaller than
         # the others relative to its weights (a conv bias before a BatchNorm) may round to an update of 0
         with np.errstate(invalid="ignore", divide="ignore"):
             pull = grad.astype(np.float64) / weights
         usual = np.median(pull[moved & np.isfinite(pull)]) if (moved & np.isfinite(pull)).any() else 0.0
-        judged = (np.asarray(layout.trainable, dtype=bool) & (weights > 0) & np.isfinite(pull)
-                  & (pull >= TINY * usual) & (grad > 0))
+        judged = trainable & (weights > 0) & np.isfinite(pull) & (pull >= TINY * usual) & (grad > 0)
         held = record.vector(HELD, PARAM)
+        # not in any optimizer that stepped the model (one did: the update was measured), known whatever its
+        # weights (a LoRA B matrix starts at 0) and whether or not the rest moves: a parameter with a gradient
+        # has its weights' norm measured, so a ratio of NaN is an update that was not
         unheld = np.isnan(ratio) if held is None else held == 0
-        stuck = judged & ~moved & ((ratio == 0) | unheld)
-        self._runs = np.where(stuck, self._runs + 1, 0)
+        left_out = trainable & np.isfinite(grad) & (grad > 0) & unheld
+        zero = judged & ~moved & (ratio == 0)
+        # a step where nothing moves tells nothing about updates of 0: their counts stay as they were
+        self._runs = np.where(left_out | zero, self._runs + 1, np.where(still & ~unheld, self._runs, 0))
         out = []
-        for zero in (False, True):
-            if zero and self.causes.named(LR_HIGH, record.step):
-                continue  # weights a too-high learning rate blew up round their updates to exactly 0
-            idx = np.flatnonzero(stuck & (ratio == 0 if zero else unheld))
-            due = idx[self._runs[idx] == self.patience]
+        due = np.flatnonzero(left_out & (self._runs == self.patience))
+        if len(due):
+            # the optimizers stepping the model hold only frozen parameters: built before they were frozen
+            frozen_only = held is None and not (np.isfinite(ratio) & trainable).any()
+            out.append(self._report(record, due, False, frozen_only=frozen_only))
+        # weights a too-high learning rate blew up round their updates to exactly 0: not judged then
+        if not still and not self.causes.named(LR_HIGH, record.step):
+            due = np.flatnonzero(zero & (self._runs == self.patience))
             if len(due):
-                out.append(self._report(record, due, zero))
+                out.append(self._report(record, due, True))
         return out
 
-    def _report(self, record: StepRecord, idx: np.ndarray, zero: bool) -> Finding:
+    def _report(self, record: StepRecord, idx: np.ndarray, zero: bool, frozen_only: bool = False) -> Finding:
         layout = record.layout
         names = [layout.params[i] for i in idx]
         numel = sum(layout.param_numel[i] for i in idx)
@@ -112,7 +127,14 @@ class UnoptimizedParameter(Detector):
             message = (f"{what} {verb} gradients but no optimizer updates {'it' if len(names) == 1 else 'them'} "
                        f"(not in any param group of the optimizers stepping the model, step {record.step}): "
                        f"{'it never learns' if len(names) == 1 else 'they never learn'}.")
+            if frozen_only:
+                message = message[:-1] + ("; the optimizers hold only parameters that require no gradient: one built "
+                                          "before the model was wrapped or frozen (peft.get_peft_model, "
+                                          "requires_grad_(False)) trains nothing.")
         layers = sorted({layout.owner(int(i)) for i in idx}, key=layout.layers.index)
+        hint = HINT_ZERO if zero else HINT_FROZEN if frozen_only else HINT_HELD
         data = {"parameters": names, "layers": layers, "reason": "zero_update" if zero else "not_in_optimizer",
-                "hint": HINT_ZERO if zero else HINT_HELD}
-        return self.finding(record, "warning", layer, message, value=float(len(names)), data=data)
+                "hint": hint}
+        # no trainable parameter is in an optimizer: the run trains nothing at all
+        severity = "error" if frozen_only else "warning"
+        return self.finding(record, severity, layer, message, value=float(len(names)), data=data)
