@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from gradwatch import snapshots
+from gradwatch import guard as entry
+from gradwatch import register, snapshots
 from gradwatch.errors import RunError, TrainingHalted
 from gradwatch.findings import Finding
 
@@ -38,6 +39,7 @@ class Loop(Protocol):
 
     run_dir: Path
     snapshots: Snapshots | None
+    guard: entry.Guard
 
     def model(self) -> nn.Module:
         """The watched model."""
@@ -243,16 +245,16 @@ class LoopControl:
         through one-shot hooks of its own (the watcher's hooks are gone once the run is closed).
         """
         others = [o for o in self._watcher.optimizers() if o is not current]
-        _withhold_once(current, now=True)
+        _withhold_once(current, self._watcher.guard, now=True)
         for opt in others:
-            _withhold_once(opt, now=False)
+            _withhold_once(opt, self._watcher.guard, now=False)
 
     def healthy(self) -> None:
         """The step was applied normally."""
         self.consecutive_skips = 0
 
 
-def _withhold_once(opt: torch.optim.Optimizer, *, now: bool) -> None:
+def _withhold_once(opt: torch.optim.Optimizer, guard: entry.Guard, *, now: bool) -> None:
     """Make ``opt``'s next step change nothing: its parameters have no gradient during it."""
     params = [p for group in opt.param_groups for p in group["params"]]
     held: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -270,8 +272,8 @@ def _withhold_once(opt: torch.optim.Optimizer, *, now: bool) -> None:
         for handle in handles:
             handle.remove()
 
-    handles.append(opt.register_step_post_hook(give_back))
+    handles.append(register.optimizer(opt, guard.hook("withhold", give_back), pre=False))
     if now:
         take()
     else:
-        handles.append(opt.register_step_pre_hook(take))
+        handles.append(register.optimizer(opt, guard.hook("withhold", take), pre=True))

@@ -9,7 +9,6 @@ a sentinel parameter's gradient: still the same tensor at the same version, or n
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -17,8 +16,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from gradwatch import preclip
-from gradwatch.errors import TrainingHalted
+from gradwatch import guard as entry
+from gradwatch import preclip, register
 from gradwatch.layout import Discovered
 from gradwatch.observed import Observed, merge
 from gradwatch.options import Options
@@ -51,26 +50,6 @@ class Steps(Protocol):
     def manual_step(self) -> None:
         """The end of a backward pass in a loop that updates the parameters by hand."""
 
-    def failed(self, exc: Exception) -> None:
-        """An internal error of gradwatch's: detach, leaving training alone."""
-
-
-def guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a hook so that a gradwatch bug detaches gradwatch instead of breaking training."""
-
-    @functools.wraps(hook)
-    def run(self: Any, *args: Any) -> Any:
-        try:
-            return hook(self, *args)
-        except TrainingHalted:
-            raise
-        except Exception as exc:
-            log.exception("gradwatch: internal error in %s", hook.__name__)
-            self.failed(exc)
-            return None
-
-    return run
-
 
 class Iteration:
     """Tracks the iterations of one watched model through the probe's forward and backward hooks.
@@ -82,11 +61,16 @@ class Iteration:
         tracker: non-finite origin tracking (captures each forward's inputs), or None.
         steps: the lifecycle these iterations belong to.
         on_step_pre, on_step_post: the lifecycle's optimizer step hooks.
+        guard: the watcher's guard, through which every hook runs.
     """
 
     def __init__(self, model: nn.Module, found: Discovered, options: Options, tracker: Tracker | None,
-                 steps: Steps, *, on_step_pre: Callable[..., Any], on_step_post: Callable[..., Any]) -> None:
+                 steps: Steps, *, on_step_pre: Callable[..., Any], on_step_post: Callable[..., Any],
+                 guard: entry.Guard) -> None:
         self._steps, self._options, self._tracker = steps, options, tracker
+        # the end of a backward pass, after what it queued itself (DDP's gradient reduction): made once
+        self._ended = guard.hook("backward_end", self.backward_ended)
+        self._ending = guard.hook("backward_end", lambda: register.backward_end(self._ended))
         self._compiled = type(model).__name__ == "OptimizedModule"
         self.found = found
         #: values observed for the coming step
@@ -99,7 +83,7 @@ class Iteration:
         self.probe = Probe(model, on_forward=self.forward_started, on_step_pre=on_step_pre,
                            on_step_post=on_step_post, on_backward_start=self.backward_started,
                            on_backward_end=self.backward_done,
-                           on_output=tracker.output if tracker is not None else None)
+                           on_output=tracker.output if tracker is not None else None, guard=guard)
         #: since the last backward pass, an optimizer holding none of this model's parameters stepped (a
         #: GAN's generator, whose loss reached the watched discriminator): if its gradients are then
         #: dropped, that iteration belonged to the other model's step, not to a step of this one
@@ -123,10 +107,6 @@ class Iteration:
         self._ref_idx: list[int] = []
         self.relayout(found)
 
-    def failed(self, exc: Exception) -> None:
-        """An internal error in one of this object's hooks."""
-        self._steps.failed(exc)
-
     def relayout(self, found: Discovered) -> None:
         """A new layout: the sentinel moves to its first trainable parameter."""
         self.found = found
@@ -147,8 +127,7 @@ class Iteration:
                 self.probe.watch_backward(p)
                 return
 
-    # ----------------------------------------------------------------- hooks
-    @guarded
+    # ------------------------------------------- hooks (each run by the guard)
     def forward_started(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
         """A forward of the root module: a new iteration (it may belong to this step or the next)."""
         steps = self._steps
@@ -172,7 +151,6 @@ class Iteration:
         # changes nothing unless origin tracking captures it (a rollout's many calls cost next to nothing)
         self.probe.quiet = not captured
 
-    @guarded
     def backward_started(self) -> None:
         """A backward pass begins (told by the first of the sentinel's gradient and the outputs'
         gradients): the previous iteration's gradients were kept, or dropped.
@@ -198,11 +176,8 @@ class Iteration:
             grad = self.found.params[self.at_step[0]].grad          # adds to .grad: were the gradients cleared?
             self.uncleared = grad is not None and (id(grad), grad._version) == self.at_step[1:]
             self.at_step = None
-        # the end of this backward pass, after what it queued itself (DDP's gradient reduction)
-        engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(lambda: engine.queue_callback(self.backward_ended))
+        register.backward_end(self._ending)  # then the end of this backward pass
 
-    @guarded
     def backward_ended(self) -> None:
         """A backward pass ended: the reference norms (pre-clip); in a loop updating by hand, the step."""
         self.began = False
@@ -212,7 +187,6 @@ class Iteration:
         if self._steps.manual:
             self._steps.manual_step()
 
-    @guarded
     def backward_done(self, param: torch.Tensor) -> None:
         """A backward pass reached the sentinel: remember its gradient as it is now."""
         grad = param.grad

@@ -20,7 +20,8 @@ from gradwatch import preclip, stats
 from gradwatch.control import LoopControl
 from gradwatch.errors import GradwatchWarning, GroupLeft, RunError, TrainingHalted
 from gradwatch.findings import Finding
-from gradwatch.iteration import Iteration, guarded
+from gradwatch.guard import Guard, guarded
+from gradwatch.iteration import Iteration
 from gradwatch.judge import Judge
 from gradwatch.layout import Discovered, unwrap
 from gradwatch.measure import Launched, Measure
@@ -57,14 +58,14 @@ class Lifecycle(Recording):
         tracker: non-finite origin tracking, or None.
         group: the process group of distributed training, or None.
         snapshots: known-good snapshots kept for rollback rules, or None.
-        failed: called with an internal error of gradwatch's (the watcher detaches).
+        guard: the watcher's guard: every hook runs through it (an internal error detaches the watcher).
     """
 
     def __init__(self, model: nn.Module, found: Discovered, options: Options, *, judge: Judge,
                  control: LoopControl, writer: Writer, tracker: Tracker | None, group: Any,
-                 snapshots: Snapshots | None, failed: Callable[[Exception], None]) -> None:
+                 snapshots: Snapshots | None, guard: Guard) -> None:
         self.options, self.judge, self.control, self.writer = options, judge, control, writer
-        self.tracker, self.group, self.snapshots, self.failed = tracker, group, snapshots, failed
+        self.tracker, self.group, self.snapshots, self.guard = tracker, group, snapshots, guard
         self.step = 0
         self.closed = False
         self._model = weakref.ref(model)
@@ -87,10 +88,9 @@ class Lifecycle(Recording):
         self.manual = False  # the loop updates the parameters by hand (see ``Recording.dropped``)
         # last: the probe's hooks are live from here on
         self.it = Iteration(model, found, options, tracker, self, on_step_pre=self.step_pre,
-                            on_step_post=self.step_post)
+                            on_step_post=self.step_post, guard=guard)
 
     # --------------------------------------------------------- the step moment
-    @guarded
     def step_pre(self, opt: torch.optim.Optimizer, args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Optimizer step pre-hook: the step, or (``step(closure)``) the closure wrapped to open it."""
@@ -106,7 +106,8 @@ class Lifecycle(Recording):
         # branch: optimizer.step(closure) — the gradients exist only once step() has run the closure
         return replace_closure(args, kwargs, at, measured_closure(
             kwargs[at] if isinstance(at, str) else args[at],
-            evaluated=lambda loss: self._evaluated(opt, loss), aside=self._evaluated_again, closed=lambda: self.closed))
+            evaluated=self.guard.hook("closure", lambda loss: self._evaluated(opt, loss)), aside=self._evaluated_again,
+            closed=lambda: self.closed))
 
     def _evaluated(self, opt: torch.optim.Optimizer, loss: Any) -> None:
         """A closure's first evaluation computed the gradients: its loss is observed unless it observed one."""
@@ -122,7 +123,7 @@ class Lifecycle(Recording):
             self.open.record.scalars[CLOSURE_EVALUATIONS] += 1.0
         return self.it.aside(closure)
 
-    @guarded
+    @guarded("gradients_ready")
     def signalled_step(self, opt: torch.optim.Optimizer, scaled: bool) -> None:
         """A framework (or a closure's first evaluation) says the gradients are final."""
         self.step_at(opt, scaled)
@@ -152,7 +153,6 @@ class Lifecycle(Recording):
         if self.open.skip:  # act: this optimizer applies nothing
             self.control.hold(opt, [self.found.params[i] for i in entry.indices])
 
-    @guarded
     def manual_step(self) -> None:
         """The end of a backward pass in a loop that updates the parameters by hand: the step moment.
 

@@ -29,96 +29,16 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from gradwatch import guard as entry
+from gradwatch import register
 from gradwatch.activations import Collected, Reduced
 from gradwatch.layout import bounds, first_tensor
 
-
-def unwatched(owner: Any, *args: Any) -> None:
-    """What a copy of a watched model (``copy.deepcopy``, ``torch.save``/``torch.load``, EMA/SWA's
-    ``AveragedModel``) holds where the original has a gradwatch hook: a hook that does nothing and
-    removes itself on its first call. The copy is not watched; watch it with ``gw.watch(copy)``.
-    """
-    for name in _HOOK_DICTS:
-        hooks = getattr(owner, name, None)
-        if isinstance(hooks, dict):
-            for key in [k for k, hook in hooks.items() if hook is unwatched]:
-                del hooks[key]
-
-
-def _unwatched_copy() -> Callable[..., None]:
-    """What a pickled :class:`Hook` loads as."""
-    return unwatched
-
-
-#: the hook dicts of modules and tensors where gradwatch registers hooks
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_post_accumulate_grad_hooks")
-
-
-class Hook:
-    """One of gradwatch's hooks on the user's module or parameter.
-
-    The model is the user's: copying or saving it must work while it is watched. A copy of the
-    hook (``deepcopy``, pickle) is :func:`unwatched`, which keeps no reference to this watcher.
-    """
-
-    __slots__ = ("_call",)
-
-    def __init__(self, call: Callable[..., Any]) -> None:
-        self._call = call
-
-    def __call__(self, *args: Any) -> Any:
-        """Run the hook."""
-        return self._call(*args)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
-        return unwatched
-
-    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
-        return _unwatched_copy, ()
-
-    def __repr__(self) -> str:
-        return f"<gradwatch hook {getattr(self._call, '__qualname__', self._call)!r}>"
-
-
-class RootHook(Hook):
-    """A hook of the root module: gradwatch's own bookkeeping of a forward call (the iteration, the
-    capture a replay needs: inputs, RNG and autocast state), plain Python that belongs to no graph.
-
-    Under ``torch.compile(watched)`` the root's hooks are frames of their own around the compiled
-    forward: dynamo never traces such a frame nor anything it calls (see :func:`_untraced`), so that
-    the hook runs as in eager mode, with no graph break. Where the hook is traced inside a larger
-    graph instead (a compiled function that calls the model, a compiled ``nn.Sequential``), it does
-    nothing there: gradwatch then sees no forward call (origin tracking attributes a NaN cheaply).
-    """
-
-    __slots__ = ()
-
-    def __call__(self, *args: Any) -> Any:
-        """Run the hook (nothing when traced into a graph)."""
-        if torch.compiler.is_dynamo_compiling():
-            return None
-        return Hook.__call__(self, *args)
-
-
-def _untraced(function: Callable[..., Any]) -> None:
-    """Have dynamo run ``function`` and every call made from it as plain Python whenever a frame of
-    it would start a trace: what ``torch.compiler.disable`` does, for the frames only (a call traced
-    inline is traced), without importing ``torch._dynamo`` (a second of import) before anyone compiles.
-
-    A no-op on a torch whose dynamo has no per-code frame strategy.
-    """
-    try:
-        from torch._C._dynamo import eval_frame
-        skip = eval_frame._FrameAction.SKIP
-        eval_frame.set_code_exec_strategy(function.__code__, eval_frame._FrameExecStrategy(skip, skip))
-    except (ImportError, AttributeError, TypeError):  # an older torch: its compiled modules call hooks outside dynamo
-        pass
-
-
-_untraced(RootHook.__call__)
+# gradwatch's hooks are the guard's (the one door from torch into gradwatch); a model pickled by an
+# older gradwatch holds ``gradwatch.probe._unwatched_copy``, which still loads
+Hook, RootHook, unwatched, _unwatched_copy = entry.Hook, entry.RootHook, entry.unwatched, entry.unwatched_copy
 
 
 class Keeper(Protocol):
@@ -141,21 +61,21 @@ class Probe:
         on_backward_start: Callable[[], None],
         on_backward_end: Callable[[torch.Tensor], None],
         on_output: Callable[[torch.Tensor, bool], Keeper | None] | None = None,
+        guard: entry.Guard,
     ) -> None:
+        self._guard = guard
         self._on_forward = on_forward
         self._on_backward_start = on_backward_start
         self._on_backward_end = on_backward_end
         self._on_output = on_output
-        pre = model.register_forward_pre_hook(RootHook(self._forward_pre), with_kwargs=True)
-        self._handles: list[RemovableHandle] = [
-            pre,
-            register_optimizer_step_pre_hook(on_step_pre),
-            register_optimizer_step_post_hook(lambda opt, args, kwargs: on_step_post(opt)),
-        ]
+        pre = register.forward_pre(model, guard.hook("forward_pre", self._forward_pre, RootHook), with_kwargs=True)
+        self._handles: list[RemovableHandle] = [pre]
+        self._leave_optimizers = register.on_optimizers(
+            guard.hook("step_pre", on_step_pre), guard.hook("step_post", lambda opt, args, kwargs: on_step_post(opt)))
         #: the root's hooks: (hook dict, key) of each, taken out of their dicts while quiet
         self._root: list[tuple[dict[int, Any], int]] = [(model._forward_pre_hooks, pre.id)]
         if on_output is not None:
-            post = model.register_forward_hook(RootHook(self._forward_post))
+            post = register.forward(model, guard.hook("forward", self._forward_post, RootHook))
             self._handles.append(post)
             self._root.append((model._forward_hooks, post.id))
         #: the root's hooks taken out while quiet: (hook dict, key, hook, keys of the hooks before it)
@@ -265,7 +185,8 @@ class Probe:
         if out is not None and out.requires_grad and self._on_output is not None:
             keeper = self._on_output(out, out is not output)  # and whether the model returned more
             if keeper is not None:  # held weakly: the keeper holds the output, whose hook this is
-                out.register_hook(functools.partial(self._output_grad_hook, weakref.ref(keeper)))
+                register.tensor(out, self._guard.hook("output_grad", functools.partial(self._output_grad_hook,
+                                                                                    weakref.ref(keeper))))
 
     def _output_grad(self, keeper: weakref.ref[Keeper], grad: torch.Tensor | None) -> None:
         if not self.paused:
@@ -286,8 +207,8 @@ class Probe:
         """
         for handle in self._sentinel:
             handle.remove()
-        self._sentinel = [param.register_hook(Hook(self._sentinel_grad)),
-                          param.register_post_accumulate_grad_hook(Hook(self._on_backward_end))]
+        self._sentinel = [register.tensor(param, self._guard.hook("sentinel_grad", self._sentinel_grad)),
+                          register.accumulated(param, self._guard.hook("accumulated", self._on_backward_end))]
 
     # ----------------------------------------------------------- activations
     @property
@@ -310,7 +231,7 @@ class Probe:
         if not self._act_handles and not self._leaves_in:
             # what ``register_forward_hook`` does, under keys made once: no handle to make per step
             for (module, hook), key in zip(self._leaf_hooks, self._leaf_keys):
-                module._forward_hooks[key] = hook
+                register.put(module, key, hook)
             self._leaves_in = True
         self.collect = True
 
@@ -322,12 +243,13 @@ class Probe:
         self.detach_activations()
         self.keep_hooks = True
         self._make_hooks(leaves)
-        self._act_handles = [module.register_forward_hook(hook) for module, hook in self._leaf_hooks]
+        self._act_handles = [register.forward(module, hook) for module, hook in self._leaf_hooks]
 
     def _make_hooks(self, leaves: list[tuple[int, nn.Module]]) -> None:
         self._remove_leaf_hooks()
         self._leaves = leaves
-        self._leaf_hooks = [(module, Hook(functools.partial(self._activation, index, bounds(module))))
+        self._leaf_hooks = [(module, self._guard.hook("activation", functools.partial(self._activation, index,
+                                                                                      bounds(module))))
                             for index, module in leaves]
         self._leaf_keys = [RemovableHandle(module._forward_hooks).id for module, _ in self._leaf_hooks]
 
@@ -378,3 +300,4 @@ class Probe:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._leave_optimizers()

@@ -9,7 +9,6 @@ import math
 import numbers
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,8 @@ from gradwatch import observed as obs
 from gradwatch import stats
 from gradwatch.control import LoopControl
 from gradwatch.findings import Finding
-from gradwatch.iteration import Iteration, guarded
+from gradwatch.guard import Guard, guarded
+from gradwatch.iteration import Iteration
 from gradwatch.judge import Judge
 from gradwatch.layout import Discovered
 from gradwatch.measure import Measure
@@ -47,7 +47,7 @@ class Recording:
     tracker: Tracker | None
     group: Any
     snapshots: Snapshots | None
-    failed: Callable[[Exception], None]
+    guard: Guard
     step: int
     closed: bool
     found: Discovered
@@ -190,7 +190,6 @@ class Recording:
         if not self.sampled(self.step):
             self.it.probe.detach_activations()
 
-    @guarded
     def step_post(self, opt: torch.optim.Optimizer) -> None:
         """Optimizer step post-hook: give a skipped step's gradients back, or measure the update."""
         step = self.open
@@ -223,7 +222,7 @@ class Recording:
         else:
             self.submit(step.record)
 
-    @guarded
+    @guarded("flush")
     def settle(self) -> None:
         """Record the step every optimizer has finished, with its update norms (for a flush: on
         disk is everything trained so far, not all but the last step).

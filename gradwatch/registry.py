@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import atexit
 import functools
-import sys
 import time
 import warnings
 import weakref
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 
 from torch import nn
 
+from gradwatch import guard as entry
+from gradwatch import register
 from gradwatch.config import Config, resolve
-from gradwatch.errors import ConfigError, GradwatchWarning
+from gradwatch.errors import ConfigError, GradwatchWarning, InternalWarning
 from gradwatch.layout import unwrap
 from gradwatch.options import Options, run_path
 from gradwatch.watching import Watcher
@@ -133,7 +132,7 @@ def _watch_class(cls: type[nn.Module], run: str | Path | None, rules: Any, expli
     def __init__(self: nn.Module, *args: Any, **kw: Any) -> None:
         original(self, *args, **kw)
         if self not in _pending and _find(self) is None:
-            _pending[self] = (self.register_forward_pre_hook(_first_forward), start)
+            _pending[self] = (register.forward_pre(self, _PROCESS.hook("first_forward", _first_forward)), start)
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
@@ -155,8 +154,8 @@ def _start_pending(module: nn.Module) -> Watcher | None:
 
 def _first_forward(module: nn.Module, inputs: Any) -> None:
     started = _start_pending(module)
-    if started is not None:
-        started._forward_started()  # the watcher's own hook joins from the next call on
+    if started is not None:  # the watcher's own hook joins from the next call on
+        started.guard.run("forward_pre", started._forward_started)
 
 
 def _find(model: nn.Module, *, detached: bool = False) -> Watcher | None:
@@ -228,7 +227,21 @@ def flush_run(run_dir: Path) -> bool:
 
 def _close_all() -> None:
     for w in list(_live):
-        w.close("crashed" if _crashed else None)
+        w.guard.run("atexit", w.close, "crashed" if _crashed else None)
+
+
+def _failed(exc: BaseException) -> None:
+    """A hook of no watcher's failed (the first forward of a watched class's instance, the excepthook)."""
+    warnings.warn(f"gradwatch failed ({exc!r}); training continues unwatched by it", InternalWarning, stacklevel=3)
+
+
+#: the guard of the hooks that belong to no watcher
+_PROCESS = entry.Guard(_failed)
+
+
+def _crashing(kind: type[BaseException], value: BaseException, tb: object) -> None:
+    global _crashed
+    _crashed = True
 
 
 def _install_exit_handlers() -> None:
@@ -236,12 +249,5 @@ def _install_exit_handlers() -> None:
     if _installed:
         return
     _installed = True
-    atexit.register(_close_all)
-    previous = sys.excepthook
-
-    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        global _crashed
-        _crashed = True
-        previous(kind, value, tb)
-
-    sys.excepthook = excepthook
+    register.at_exit(_PROCESS.hook("atexit", _close_all))
+    register.excepthook(_PROCESS.hook("excepthook", _crashing))

@@ -12,6 +12,7 @@ from torch import nn
 
 from gradwatch.actions import Action
 from gradwatch.config import Config
+from gradwatch.guard import Guard
 from gradwatch.judge import build_plugin_actions
 from gradwatch.layout import Discovered, unwrap
 from gradwatch.options import Options
@@ -59,7 +60,7 @@ def run_meta(model: nn.Module, found: Discovered, options: Options, config: Conf
     }
 
 
-def open_outputs(run_dir: Path, meta: dict[str, Any], options: Options, config: Config) -> Outputs:
+def open_outputs(run_dir: Path, meta: dict[str, Any], options: Options, config: Config, guard: Guard) -> Outputs:
     """Create the run (on the writing rank) and start its writer thread.
 
     Everything that can fail for a reason of the user's (a port in use, a plugin that cannot be
@@ -95,5 +96,6 @@ def open_outputs(run_dir: Path, meta: dict[str, Any], options: Options, config: 
         if fresh and writes:  # nothing half-written is left behind: the run never started
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    writer = Writer(sinks, queue_size=options.queue_size, flush_seconds=options.flush_seconds, name=run_dir.name)
+    writer = Writer(sinks, queue_size=options.queue_size, flush_seconds=options.flush_seconds, name=run_dir.name,
+                    guard=guard)
     return Outputs(writer, options, group, writes, plugin_actions)

@@ -15,6 +15,7 @@ from gradwatch import observed, origin, startup, verdict
 from gradwatch.config import Config
 from gradwatch.control import LoopControl
 from gradwatch.errors import GradwatchError, GroupLeft, InternalWarning, TrainingHalted
+from gradwatch.guard import Guard
 from gradwatch.judge import Judge
 from gradwatch.layout import discover
 from gradwatch.lifecycle import Lifecycle
@@ -46,7 +47,10 @@ class Watcher:
         self.detached = False
         self._on_close = on_close
         found = discover(model, version=1)  # a model with nothing to train fails here, before any file
-        out = startup.open_outputs(run_dir, startup.run_meta(model, found, options, config), options, config)
+        #: every hook, callback and thread of this watcher runs through it: a failure detaches the watcher
+        self.guard = Guard(self._fail)
+        out = startup.open_outputs(run_dir, startup.run_meta(model, found, options, config), options, config,
+                                   self.guard)
         self.options, self.writes, self._writer = out.options, out.writes, out.writer
         self.judge = Judge(config, self.options, self._writer, out.plugin_actions)
         self.control = LoopControl(self)
@@ -58,7 +62,7 @@ class Watcher:
             self.snapshots = Snapshots(self.options.snapshot_keep, where)
         self._steps = Lifecycle(model, found, self.options, judge=self.judge, control=self.control,
                                 writer=self._writer, tracker=Tracker(model) if self.options.origin else None,
-                                group=out.group, snapshots=self.snapshots, failed=self._fail)
+                                group=out.group, snapshots=self.snapshots, guard=self.guard)
 
     @property
     def step(self) -> int:
@@ -110,7 +114,7 @@ class Watcher:
         try:
             self._writer.flush()
         except WriterDied as exc:
-            self._fail(exc)
+            self.guard.failed("flush", exc)
 
     def track(self, *objects: Any) -> None:
         """Snapshot and restore these LR schedulers / GradScalers on rollback.
@@ -284,14 +288,9 @@ class Watcher:
             return
         summary = self.judge.summary()
         try:
-            verdict.write(self.run_dir, {
-                "status": status,
-                "steps": self.step,
-                "worst": summary["worst"],
-                "findings": summary["counts"],
-                "halted": self._halt,
-                "rollbacks": self.control.rollbacks,
-            })
+            verdict.write(self.run_dir, {"status": status, "steps": self.step, "worst": summary["worst"],
+                                         "findings": summary["counts"], "halted": self._halt,
+                                         "rollbacks": self.control.rollbacks})
         except GradwatchError as exc:  # the run itself is intact in the store
             log.error("gradwatch: could not write the verdict of %s: %s", self.run_dir, exc)
 
@@ -321,6 +320,7 @@ class Watcher:
                 return
             group.leave()  # now: this step's remaining collectives, with nothing of this rank's own
         self.detached = True
+        self.guard.detach()
         self._steps.abandon()
         self.close("crashed")
         if isinstance(exc, GroupLeft):

@@ -8,6 +8,8 @@ import queue
 import threading
 from collections.abc import Sequence
 
+from gradwatch import guard as entry
+from gradwatch import register
 from gradwatch.findings import Finding
 from gradwatch.records import StepRecord
 from gradwatch.sinks import Sink
@@ -42,7 +44,8 @@ class Writer:
     drains the queue in one batch: no wake-up per step.
     """
 
-    def __init__(self, sinks: Sequence[Sink], *, queue_size: int, flush_seconds: float, name: str) -> None:
+    def __init__(self, sinks: Sequence[Sink], *, queue_size: int, flush_seconds: float, name: str,
+                 guard: entry.Guard | None = None) -> None:
         self._sinks = list(sinks)
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._high_water = max(1, queue_size // 2)
@@ -51,8 +54,9 @@ class Writer:
         self._failed: set[int] = set()
         #: why the writer thread stopped before it was closed (None while it runs, or after close)
         self.died: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"gradwatch-writer-{name}", daemon=True)
-        self._thread.start()
+        # its failure is told in the watching thread (by its guard), and by :class:`WriterDied` to a caller
+        guard = guard if guard is not None else entry.Guard(lambda exc: None)
+        self._thread = register.thread(guard.hook("writer", self._run), f"gradwatch-writer-{name}")
 
     @property
     def alive(self) -> bool:
@@ -133,7 +137,7 @@ class Writer:
             self._drain()
         except BaseException as exc:  # anything that kills the thread: the training thread learns of it
             self.died = exc
-            log.exception("gradwatch: the writer thread stopped; nothing more is written")
+            raise WriterDied(f"the writer thread stopped: {exc!r}; nothing more is written") from exc
 
     def _drain(self) -> None:
         while True:

@@ -1,0 +1,174 @@
+"""Register: the only module that hands gradwatch's callables to torch (and to the interpreter).
+
+Each function takes a :class:`gradwatch.guard.Hook` — a guarded call — and refuses anything else,
+so that no entry point from torch into gradwatch escapes the guard (``tests/test_architecture.py``
+checks that no other module of gradwatch registers anything with torch).
+
+The optimizer step hooks are one process-wide pair that dispatches to each watcher
+(:func:`on_optimizers`): removing a hook from torch's global dict while torch iterates it breaks
+the step when a later hook follows (another watcher's, another library's), so the pair leaves only
+when that is safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import optimizer as torch_optim
+from torch.utils.hooks import RemovableHandle
+
+from gradwatch import guard, unpickled
+from gradwatch.guard import Hook
+
+
+def _checked(hook: Any) -> Hook:
+    if not isinstance(hook, Hook):
+        raise TypeError(f"gradwatch registers only guarded hooks (gradwatch.guard.Hook), got {hook!r}")
+    return hook
+
+
+def forward_pre(module: torch.nn.Module, hook: Hook, *, with_kwargs: bool = False) -> RemovableHandle:
+    """Register a forward pre-hook of ``module``."""
+    handle = module.register_forward_pre_hook(_checked(hook), with_kwargs=with_kwargs)
+    if with_kwargs:
+        unpickled.note_extra(module._forward_pre_hooks_with_kwargs, handle.id)
+    return handle
+
+
+def forward(module: torch.nn.Module, hook: Hook) -> RemovableHandle:
+    """Register a forward hook of ``module``."""
+    return module.register_forward_hook(_checked(hook))
+
+
+def put(module: torch.nn.Module, key: int, hook: Hook) -> None:
+    """Put a forward hook in ``module``'s hooks under ``key`` (a key made once: no handle per step)."""
+    module._forward_hooks[key] = _checked(hook)
+
+
+def tensor(tensor_: torch.Tensor, hook: Hook) -> RemovableHandle:
+    """Register a hook on the gradient arriving at ``tensor_``."""
+    return tensor_.register_hook(_checked(hook))
+
+
+def accumulated(param: torch.Tensor, hook: Hook) -> RemovableHandle:
+    """Register a post-accumulate-grad hook of ``param``."""
+    return param.register_post_accumulate_grad_hook(_checked(hook))
+
+
+def backward_end(hook: Hook) -> None:
+    """Have the autograd engine call ``hook`` at the end of the running backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(_checked(hook))
+
+
+def optimizer(opt: torch.optim.Optimizer, hook: Hook, *, pre: bool) -> RemovableHandle:
+    """Register a step (pre-)hook of one optimizer."""
+    return opt.register_step_pre_hook(_checked(hook)) if pre else opt.register_step_post_hook(_checked(hook))
+
+
+def thread(hook: Hook, name: str) -> threading.Thread:
+    """A daemon thread that runs ``hook`` (its failure is told to the training loop), started."""
+    _checked(hook)
+
+    def run() -> None:
+        guard.OWN_THREADS.add(threading.get_ident())
+        try:
+            hook()
+        finally:
+            guard.OWN_THREADS.discard(threading.get_ident())
+
+    started = threading.Thread(target=run, name=name, daemon=True)
+    started.start()
+    return started
+
+
+def at_exit(hook: Hook) -> None:
+    """Run ``hook`` at interpreter exit."""
+    import atexit
+
+    atexit.register(_checked(hook))
+
+
+def excepthook(hook: Hook) -> None:
+    """Have ``hook(kind, value, tb)`` note every uncaught exception, then the previous excepthook run."""
+    import sys
+
+    previous = sys.excepthook
+    note = _checked(hook)
+
+    def chained(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        note(kind, value, tb)
+        previous(kind, value, tb)
+
+    sys.excepthook = chained
+
+
+# ------------------------------------------------ the optimizer step hooks
+class _Dispatch:
+    """gradwatch's one pair of global optimizer step hooks, calling each watcher's in turn."""
+
+    def __init__(self) -> None:
+        self.pre: list[Hook] = []
+        self.post: list[Hook] = []
+        self.handles: dict[str, RemovableHandle] = {}
+        self.running = ""  # "pre" or "post" while torch iterates that dict
+
+    def step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        self._tidy("pre")
+        changed, self.running = None, "pre"
+        try:
+            for hook in list(self.pre):
+                result = hook(opt, args, kwargs)
+                if isinstance(result, tuple) and len(result) == 2:
+                    changed = args, kwargs = result
+        finally:
+            self.running = ""
+        return changed
+
+    def step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._tidy("post")
+        self.running = "post"
+        try:
+            for hook in list(self.post):
+                hook(opt, args, kwargs)
+        finally:
+            self.running = ""
+
+    def _tidy(self, now: str) -> None:
+        """Leave torch's dicts when no watcher is left: not the one torch iterates now unless last in it."""
+        if self.pre or self.post:
+            return
+        for which in ("pre", "post"):
+            handle = self.handles.get(which)
+            hooks = handle.hooks_dict_ref() if handle is not None else None
+            if handle is None or (which == now and hooks is not None and next(reversed(hooks), None) != handle.id):
+                continue
+            handle.remove()
+            del self.handles[which]
+
+    def subscribe(self, pre: Hook, post: Hook) -> Callable[[], None]:
+        self.pre.append(_checked(pre))
+        self.post.append(_checked(post))
+        if not self.handles:
+            self.handles = {"pre": torch_optim.register_optimizer_step_pre_hook(self.step_pre),
+                            "post": torch_optim.register_optimizer_step_post_hook(self.step_post)}
+
+        def unsubscribe() -> None:
+            if pre in self.pre:
+                self.pre.remove(pre)
+                self.post.remove(post)
+            self._tidy(self.running)
+
+        return unsubscribe
+
+
+_DISPATCH = _Dispatch()
+
+
+def on_optimizers(pre: Hook, post: Hook) -> Callable[[], None]:
+    """Have every optimizer's step call ``pre(opt, args, kwargs)`` before and ``post(opt, args, kwargs)``
+    after it; returns the function that stops it.
+    """
+    return _DISPATCH.subscribe(pre, post)
