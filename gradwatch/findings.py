@@ -66,7 +66,9 @@ class Cooldown:
     The repeats in between are counted on the finding that was written: its ``data["repeats"]``
     is how many occurrences it stands for (itself included) and ``data["last_step"]`` the last
     one. :meth:`take_updated` hands over the written findings whose count changed, so that the
-    store can update them.
+    store can update them. A finding about a state that lasts carries ``data["lasting"]`` (the
+    weights NaN/Inf from step 11 on): the repeats of the same state fold into its first finding
+    however long it lasts, and neither folds into nor swallows a finding about something else.
     """
 
     def __init__(self, steps: int) -> None:
@@ -78,13 +80,20 @@ class Cooldown:
         """Whether ``finding`` is to be written (False: it was folded into an earlier one)."""
         key = (finding.kind, finding.layer, finding.severity)
         last = self._last.get(key)
-        if last is not None and finding.step - last.step < self.steps:
+        if last is not None and self._folds(finding, last):
             last.data["repeats"] = last.data.get("repeats", 1) + 1
             last.data["last_step"] = finding.step
             self._updated[id(last)] = last
             return False
         self._last[key] = finding
         return True
+
+    def _folds(self, finding: Finding, last: Finding) -> bool:
+        """Whether ``finding`` repeats ``last`` (of the same kind, layer and severity)."""
+        lasting, before = finding.data.get("lasting"), last.data.get("lasting")
+        if lasting is not None or before is not None:  # the same lasting state, however long; a new one is news
+            return lasting == before
+        return finding.step - last.step < self.steps
 
     def take_updated(self) -> list[Finding]:
         """Written findings whose repeat count changed since the last call."""

@@ -44,7 +44,7 @@ from gradwatch.rootcause.capture import (
     checked_ids,
     sequence_first,
 )
-from gradwatch.rootcause.diagnose import diagnose, not_reproducible, reference_norms
+from gradwatch.rootcause.diagnose import diagnose, not_reproducible, poisoned, reference_norms
 from gradwatch.rootcause.locate import Located, locate
 from gradwatch.rootcause.samples import describe
 from gradwatch.rootcause.state import Autocast, Rng, devices, finite, preserved, tensors
@@ -188,13 +188,22 @@ class Tracker:
     def find(self, loss_finite: bool) -> dict[str, Any] | None:
         """Replay the step's forward calls until one reproduces a non-finite value, then explain it.
 
+        Weights that already hold NaN/Inf (an earlier update applied non-finite gradients) are
+        checked first, in one host read: then nothing is replayed, and the origin (``how``
+        ``inspected``, ``source`` ``weights``) names them.
+
         Returns:
-            the origin: ``phase``, ``layer``, ``type``, ``how`` (``replayed`` or ``attributed``),
-            ``root_cause`` (op, line, fact, cause), ``samples`` and ``replay_ms``; None when
-            nothing was captured (the caller then attributes cheaply).
+            the origin: ``phase``, ``layer``, ``type``, ``how`` (``replayed``, ``attributed`` or
+            ``inspected``), ``root_cause`` (op, line, fact, cause), ``samples`` and ``replay_ms``;
+            None when nothing was captured (the caller then attributes cheaply).
         """
         model = self._model()
-        if model is None or not self.captures:
+        if model is None:
+            return None
+        weights = poisoned(model)  # an earlier update left NaN/Inf in the weights: nothing to replay
+        if weights is not None:
+            return weights
+        if not self.captures:
             return None
         if _collective(model):  # replaying on this rank alone would wait forever for the others
             return {"how": "attributed", "note": "the step was not replayed: the model synchronises across ranks "

@@ -79,6 +79,10 @@ def _origins(run: Run) -> dict[int, dict[str, Any]]:
             origin["note"] = row.data["note"]
         origin.update(words.data(row.data))  # the op, line, cause, samples and replay cost found then
         out[int(row.step)] = origin
+        last = row.data.get("last_step")
+        if row.data.get("lasting") and isinstance(last, int):  # a lasting state: its folded steps had it too
+            for step in range(int(row.step) + 1, last + 1):
+                out.setdefault(step, origin)
     return out
 
 
@@ -140,6 +144,8 @@ def rejudge(run: Run, rules: str | Path | None = None) -> pd.DataFrame:
     kept: list[Finding] = []
     for record in run.records():
         record = _prepare(record, origins)
+        if active:  # every step's loss, as the judge tells it during training
+            active[0].causes.loss_of(record)
         for group in (now, late):
             found = [f for d in group for f in _check(d, record)]
             if not found:

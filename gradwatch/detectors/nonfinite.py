@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,15 @@ HINT_DATA = (
 #: the hint when the samples' own (finite) values made an op's NaN/Inf (a 0 into a log or a divisor)
 HINT_DATA_OP = (
     "look at the samples named and the data pipeline that made them; if such values are valid, guard the op "
-    "(clamp its input, add an epsilon to the divisor); leave them out with a rule (gw.Rule(when='nonfinite', do='skip', skip_samples=True)) while you fix the data"
+    "(clamp its input, add an epsilon to the divisor); leave them out with a rule "
+    "(gw.Rule(when='nonfinite', do='skip', skip_samples=True)) while you fix the data"
+)
+
+#: the hint when the weights already held NaN/Inf (an earlier update applied non-finite gradients)
+HINT_WEIGHTS = (
+    "keep a non-finite update out of the weights: gw.Rule(when='nonfinite', do='skip') (in the default rules) "
+    "skips that step, do='rollback' restores the last good snapshot; then fix the cause of the first non-finite "
+    "step (its finding)"
 )
 
 
@@ -45,6 +53,11 @@ class NonFinite(Detector):
     """
 
     kind = "nonfinite"
+
+    #: the latest step with a finding whose weights were finite, and its record (skipped or not, known later)
+    _last: tuple[int, StepRecord] | None = field(default=None, init=False, repr=False)
+    #: while the weights hold NaN/Inf: the step they were first found so, and that finding's layer and type
+    _poisoned: tuple[int, str | None, str | None] | None = field(default=None, init=False, repr=False)
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Report a step whose loss, gradients or activations are not all finite."""
@@ -64,8 +77,13 @@ class NonFinite(Detector):
         if act is not None:
             bad_act = present(record, "layer", "act_norm") & ~np.isfinite(act)
         if not (bad_loss or bad_forward or bad_grads or bad_act.any()):
+            self._poisoned = None  # a finite step: its weights are finite again (restored)
             return []
         origin = dict(record.origin or {})
+        if origin.get("source") == "weights":
+            origin = self._weights(record, origin)
+        else:
+            self._last, self._poisoned = (record.step, record), None
         if origin.get("how", "attributed") == "attributed" and origin.get("layer") is None:  # not replayed/reproduced
             origin = {**self._attribute(record, bad_act), **{k: v for k, v in origin.items() if v is not None}}
         layers = record.layout.layers
@@ -101,8 +119,28 @@ class NonFinite(Detector):
         if origin.get("note"):
             data["note"] = origin["note"]
         data.update(words.data(origin))
+        if self._poisoned is not None and origin.get("source") == "weights":
+            data["lasting"] = f"weights NaN/Inf from step {self._poisoned[0]}"  # one finding for the stretch
         return [self.finding(record, "error", origin.get("layer"), message, value=float(bad_grads),
                              phase=origin.get("phase"), data=data)]
+
+    def _weights(self, record: StepRecord, origin: dict[str, Any]) -> dict[str, Any]:
+        """The origin of a step whose weights already held NaN/Inf, with the step whose update put them
+        there: the latest non-finite step seen with finite weights, unless its update was skipped.
+
+        The steps of one stretch of NaN/Inf weights keep the layer of its first (their findings fold
+        into it, see :class:`gradwatch.findings.Cooldown`).
+        """
+        root = dict(origin.get("root_cause") or {})
+        if "poisoned_at" in root:  # re-judged: as found during training
+            since = root["poisoned_at"]
+        else:
+            since = self._last[0] if self._last is not None and not self._last[1].skipped else None
+        if self._poisoned is None:
+            self._poisoned = (record.step, origin.get("layer"), origin.get("type"))
+        root["poisoned_at"] = since
+        root["cause_detail"] = words.weights_detail(root, record.step)
+        return {**origin, "layer": self._poisoned[1], "type": self._poisoned[2], "root_cause": root}
 
     @staticmethod
     def _attribute(record: StepRecord, bad_act: np.ndarray) -> dict[str, Any]:
@@ -120,6 +158,8 @@ class NonFinite(Detector):
 
 def _hint(root: dict[str, Any]) -> str:
     """What to try, by the cause the replay found."""
+    if root.get("cause") == "weights":
+        return HINT_WEIGHTS
     if root.get("cause") != "data":
         return HINT
     return HINT_DATA_OP if root.get("op") else HINT_DATA

@@ -9,7 +9,9 @@
 - **not reproducible**: the replay (same inputs, same RNG) is finite where the step was not
   (decided by :class:`gradwatch.origin.Tracker`);
 - **model**: reproducible in full precision with finite inputs: a bug at the line found, or
-  diverged weights (the parameter norms that grew since gradwatch began watching are named).
+  diverged weights (the parameter norms that grew since gradwatch began watching are named);
+- **weights**: the weights already hold NaN/Inf when the step begins (an earlier update applied
+  non-finite gradients): found before any replay (see :func:`gradwatch.rootcause.diagnose.poisoned`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.state import LOW_PRECISION, Autocast, Rng, devices, finite, floats
 from gradwatch.wording import layer
 
-DATA, PRECISION, NOT_REPRODUCIBLE, MODEL = "data", "precision", "not_reproducible", "model"
+DATA, PRECISION, NOT_REPRODUCIBLE, MODEL, WEIGHTS = "data", "precision", "not_reproducible", "model", "weights"
 #: a parameter whose norm grew by more than this factor since watching began "grew"
 GREW = 4.0
 #: parameters named at most

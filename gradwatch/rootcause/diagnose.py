@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwatch.layout import ROOT
 from gradwatch.rootcause import cause, nodes, ops
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.locate import Located
@@ -47,6 +48,37 @@ def not_reproducible(replayed: int, seen_in: str) -> dict[str, Any]:
         root["rank"] = rank
     return {"how": "attributed", "root_cause": root,
             "note": "the replay did not reproduce the NaN/Inf: the layer is the latest with a NaN/Inf gradient"}
+
+
+def poisoned(model: nn.Module) -> dict[str, Any] | None:
+    """The origin of a step whose weights already hold NaN/Inf, or None when they are finite.
+
+    An earlier update that applied non-finite gradients leaves NaN/Inf in the weights, and from then
+    on every forward pass is NaN/Inf from its first op: no replay can find a birth place, and a cause
+    read off the replay ("reproducible with a finite batch") would be wrong. Only the parameters that
+    received a gradient this step are checked (an unused one cannot have made it), in one host read.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return None
+    try:
+        with torch.no_grad():
+            ok = torch.stack([torch.isfinite(p.detach()).all().to("cpu") for _, p in named]).tolist()
+    except Exception:  # sharded (DTensor) or scattered parameters: no claim about the weights
+        return None
+    bad = [n for (n, _), fine in zip(named, ok) if not fine]
+    if not bad:
+        return None
+    owners: dict[str, tuple[str, str]] = {}  # parameter name -> (its module's path, the module's class)
+    for path, module in model.named_modules():
+        for name, _ in module.named_parameters(recurse=False):
+            owners.setdefault(f"{path}.{name}" if path else name, (path or ROOT, type(module).__name__))
+    layers = list(dict.fromkeys(owners.get(n, (ROOT, ""))[0] for n in bad))
+    first = owners.get(bad[0], (ROOT, type(model).__name__))
+    root = {"cause": cause.WEIGHTS, "params": bad[:cause.NAMED], "params_nonfinite": len(bad),
+            "layers": layers[:cause.NAMED]}
+    return {"how": "inspected", "phase": "forward", "layer": first[0], "type": first[1], "source": "weights",
+            "root_cause": root}
 
 
 def diagnose(model: nn.Module, cap: Capture, located: Located, rng: Rng, reference: dict[str, float]) -> dict[str, Any]:

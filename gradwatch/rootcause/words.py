@@ -16,6 +16,7 @@ CAUSES = {
     "precision": "precision",
     "not_reproducible": "not reproducible",
     "model": "model",
+    "weights": "weights",
 }
 
 
@@ -58,9 +59,43 @@ def cause_phrase(root: dict[str, Any]) -> str | None:
         grew = root.get("grew") or []
         if grew:
             why += "; weights that grew: " + ", ".join(f"{layer(d['param'])} x{d['ratio']:.3g}" for d in grew)
+    elif name == "weights":
+        why = ""  # the message's head says it all (see weights_head)
     else:
         why = str(root.get("cause_detail") or "")
     return f"cause: {name}" + (f" ({why})" if why else "")
+
+
+def _poisoned_params(root: dict[str, Any]) -> str:
+    """``3 parameters in layers '0', '2' are NaN/Inf ('0.weight', '0.bias', '2.weight')``."""
+    n = int(root.get("params_nonfinite") or 0)
+    names = [layer(str(p)) for p in root.get("params") or []]
+    layers = [layer(str(x)) for x in root.get("layers") or []]
+    shown = ", ".join(names) + (f" and {n - len(names):,} more" if n > len(names) else "")
+    where = f" in layer{'s' if len(layers) > 1 else ''} {', '.join(layers)}" if layers else ""
+    return f"{n:,} parameter{'s' if n != 1 else ''}{where} {'are' if n != 1 else 'is'} NaN/Inf ({shown})"
+
+
+def weights_detail(root: dict[str, Any], step: int) -> str:
+    """The detail of a ``weights`` cause: since which step's update the weights hold NaN/Inf, and which."""
+    since = root.get("poisoned_at")
+    if since is not None:
+        return (f"the weights hold NaN/Inf since step {since}'s update applied non-finite gradients: "
+                f"{_poisoned_params(root)}")
+    return (f"the weights already held NaN/Inf when step {step} began, and no step gradwatch saw before applied "
+            f"non-finite gradients (NaN/Inf before watching began, or written outside an optimizer step): "
+            f"{_poisoned_params(root)}")
+
+
+def weights_head(root: dict[str, Any], step: int) -> str:
+    """The head of a finding whose weights already held NaN/Inf when its step began."""
+    since = root.get("poisoned_at")
+    how = (f"step {since}'s update applied non-finite gradients (that step's finding has their cause)"
+           if since is not None else
+           "no step gradwatch saw before applied non-finite gradients (NaN/Inf before watching began, or "
+           "written outside an optimizer step)")
+    return (f"The weights hold NaN/Inf at step {step}: {how}, and {_poisoned_params(root)}; every step from here "
+            "on is NaN/Inf until the weights are restored")
 
 
 def op_phrase(origin: dict[str, Any]) -> str | None:
@@ -98,6 +133,8 @@ def nonfinite_message(origin: dict[str, Any], step: int, what: list[str]) -> str
         head = f"NaN/Inf at step {step} did not come back when the step was replayed"
         if origin.get("layer"):
             head += f" (latest layer with a NaN/Inf gradient: {layer(origin['layer'])})"
+    elif root.get("cause") == "weights":
+        head = weights_head(root, step)
     elif root.get("cause") == "data" and origin.get("source") == "input":
         head = f"The model's input batch holds NaN/Inf at step {step}"
     elif origin.get("source") == "loss":
