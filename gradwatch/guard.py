@@ -53,6 +53,7 @@ KINDS = {
     "first_forward": "the first forward call of an instance of a watched class (it is watched then)",
     "hf_forward": "the Hugging Face Trainer callback's forward hook",
     "hf_backward": "the Hugging Face Trainer callback's backward hooks (pre-clip gradient norm)",
+    "pytest_fixture": "the gw_watch pytest fixture's global forward hooks (finding the models a test trains)",
     "atexit": "closing the runs at interpreter exit",
     "excepthook": "noting an uncaught exception (the runs close as crashed)",
 }

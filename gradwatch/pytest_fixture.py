@@ -125,15 +125,26 @@ class GradwatchFixture:
         return watcher
 
     def _start(self) -> None:
-        """Install the global forward hooks that find the models the test runs."""
+        """Install the global forward hooks that find the models the test runs (guarded: a failure of
+        gradwatch's there removes them, with one InternalWarning, and the test goes on).
+        """
         import torch
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        from gradwatch import guard, register
 
         self._torch = torch
-        self._handles = [
-            register_module_forward_pre_hook(self._enter),
-            register_module_forward_hook(self._leave, always_call=True),
-        ]
+        hooks = guard.Guard(self._broken)
+        self._handles = register.every_module(hooks.hook("pytest_fixture", self._enter),
+                                              hooks.hook("pytest_fixture", self._leave))
+
+    def _broken(self, exc: BaseException) -> None:
+        from gradwatch.errors import InternalWarning
+
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        warnings.warn(f"gradwatch's fixture stopped finding models after an internal error ({exc!r}); the test goes "
+                      "on", InternalWarning, stacklevel=2)
 
     def _frames(self) -> list[bool]:
         """The running module forwards of this thread: whether each is, or is inside, a trainable module."""

@@ -38,14 +38,27 @@ def forward_pre(module: torch.nn.Module, hook: Hook, *, with_kwargs: bool = Fals
     return handle
 
 
-def forward(module: torch.nn.Module, hook: Hook) -> RemovableHandle:
+def forward(module: torch.nn.Module, hook: Hook, *, with_kwargs: bool = False) -> RemovableHandle:
     """Register a forward hook of ``module``."""
-    return module.register_forward_hook(_checked(hook))
+    handle = module.register_forward_hook(_checked(hook), with_kwargs=with_kwargs)
+    if with_kwargs:
+        unpickled.note_extra(module._forward_hooks_with_kwargs, handle.id)
+    return handle
 
 
 def put(module: torch.nn.Module, key: int, hook: Hook) -> None:
     """Put a forward hook in ``module``'s hooks under ``key`` (a key made once: no handle per step)."""
     module._forward_hooks[key] = _checked(hook)
+
+
+def every_module(pre: Hook, post: Hook) -> list[RemovableHandle]:
+    """Have every module's forward call ``pre(module, args)`` before and ``post(module, args, output)``
+    after it (the latter also when the forward raises).
+    """
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    return [register_module_forward_pre_hook(_checked(pre)), register_module_forward_hook(_checked(post),
+                                                                                            always_call=True)]
 
 
 def tensor(tensor_: torch.Tensor, hook: Hook) -> RemovableHandle:

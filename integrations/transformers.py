@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gradwatch import register
 from gradwatch.integrations._attach import Attachment, loss_scale
 from gradwatch.layout import first_tensor
 from gradwatch.records import PRECLIP
@@ -101,6 +102,7 @@ class GradWatchCallback(TrainerCallback):
                  **options: Any) -> None:
         self._attachment = Attachment(run, rules, log_every, options)
         self._handles: list[RemovableHandle] = []
+        self._hooks: tuple[Any, ...] = ()  # the backward hooks, made once per watcher
         self._params: list[nn.Parameter] = []
         self._clipping = False
         self._scaler: Any = None
@@ -139,7 +141,11 @@ class GradWatchCallback(TrainerCallback):
         self._clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer under fp16
-        self._handles = [model.register_forward_hook(self._forward, with_kwargs=True)]
+        # its hooks run through the watcher's guard, as gradwatch's own do
+        guard = watcher.guard
+        self._hooks = tuple(guard.hook("hf_backward", call)
+                            for call in (self._backward_started, self._backward_ending, self._measure_preclip))
+        self._handles = [register.forward(model, guard.hook("hf_forward", self._forward), with_kwargs=True)]
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -170,15 +176,15 @@ class GradWatchCallback(TrainerCallback):
             self._shares = kwargs.get("num_items_in_batch") is not None
         out = first_tensor(output)
         if self._clipping and out is not None and out.requires_grad:
-            out.register_hook(self._backward_started)
+            register.tensor(out, self._hooks[0])
 
     def _backward_started(self, grad: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ending)
+        register.backward_end(self._hooks[1])
 
     def _backward_ending(self) -> None:
         # queued again, so that it runs after what was queued during the backward pass (DDP's
         # gradient reduction): the norm is of the gradients the Trainer clips
-        torch.autograd.Variable._execution_engine.queue_callback(self._measure_preclip)
+        register.backward_end(self._hooks[2])
 
     def _measure_preclip(self) -> None:
         grads = [p.grad for p in self._params if p.grad is not None]

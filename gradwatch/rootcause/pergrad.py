@@ -85,7 +85,8 @@ def grad_norms(model: nn.Module, cap: Capture, rng: Rng) -> tuple[torch.Tensor |
     grad, batch = cap.grad, cap.batch
     if grad is None and cap.grad_none:
         return None, ("no gradient came back through the model's first output (the loss came through another one, "
-                      "as a compiled model's own loss does), so per-sample gradients are unknown; observe(sample_losses=...) names them")
+                      "as a compiled model's own loss does), so per-sample gradients are unknown; "
+                      "observe(sample_losses=...) names them")
     if grad is None:
         return None, "the gradient at the model's output was too large to keep, so per-sample gradients are unknown"
     if grad.dim() == 0:  # a Hugging Face model given labels returns its loss first
