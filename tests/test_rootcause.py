@@ -156,6 +156,49 @@ def test_hand_written_layernorm_divides_by_a_zero_std(run_dir: Path) -> None:
     assert "guard the op" in row.data["hint"]
 
 
+class BoxDensity(nn.Module):
+    """Boxes as (cx, cy, w, h): their centre over their area; a box of area 0 divides by 0."""
+
+    def forward(self, boxes: torch.Tensor) -> torch.Tensor:
+        area = boxes[:, 2] * boxes[:, 3]
+        return boxes[:, :2] / area.unsqueeze(1)  # plant: area
+
+
+def test_a_box_of_area_0_in_the_batch_is_the_datas_doing(run_dir: Path) -> None:
+    """The batch is finite, but sample 5's box has height 0: the division by its area is the data's doing."""
+    model = nn.Sequential()
+    model.add_module("box", BoxDensity())
+    model.add_module("out", nn.Linear(2, 1))
+
+    def plant(x: torch.Tensor) -> None:
+        x[5, 3] = 0.0
+
+    row = only_nonfinite(run(model, run_dir, uniform_batch(3, plant)))
+    root = assert_root(row, op="aten::div", marker="# plant: area", phase="forward", layer="box", cause="data",
+                       fact="the divisor is 0 in 1 of its 8 values", samples=[5])
+    assert root["culprit"] == "a 0 in the divisor of the division" and "grew" not in root
+    assert (f"cause: data (only 1 of the batch's 8 samples went NaN/Inf, by a 0 in the divisor of the division at "
+            f"test_rootcause.py:{root['line']}, a value the batch alone makes: no trainable weight enters it); "
+            "samples to blame: sample 5;") in row.message
+
+
+def test_every_sample_making_it_at_an_op_no_weight_enters_is_the_code(run_dir: Path) -> None:
+    """Every box of the batch has height 0: not a few bad samples, and no weight to blame: the code."""
+    model = nn.Sequential()
+    model.add_module("box", BoxDensity())
+    model.add_module("out", nn.Linear(2, 1))
+
+    def plant(x: torch.Tensor) -> None:
+        x[:, 3] = 0.0
+
+    row = only_nonfinite(run(model, run_dir, uniform_batch(3, plant)))
+    root = assert_root(row, op="aten::div", marker="# plant: area", phase="forward", layer="box", cause="model",
+                       fact="the divisor is 0 in 8 of its 8 values", samples=list(range(8)))
+    assert "grew" not in root and root["cause_detail"].endswith(
+        "every sample of the batch makes it at an op whose offending input no trainable weight enters: a bug in the "
+        "code at that line (or a batch whose every sample is bad), not diverged weights")
+
+
 class Attention(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()

@@ -140,9 +140,15 @@ def words_batch(rows: list[int], batch: int, culprit: str | None, line: str | No
             "trainable weight enters it")
 
 
-def words_model(grew: list[dict[str, Any]], dtype: str | None) -> str:
-    """The detail of a model cause: reproducible in full precision, with the weights that grew."""
+def words_model(grew: list[dict[str, Any]], dtype: str | None, weightless: bool = False) -> str:
+    """The detail of a model cause: reproducible in full precision, with the weights that grew (or,
+    ``weightless``, at an op whose offending input no trainable weight enters, for every sample).
+    """
     where = f"in {dtype} " if dtype else ""
+    if weightless:
+        return (f"reproducible {where}with a finite batch, and every sample of the batch makes it at an op whose "
+                "offending input no trainable weight enters: a bug in the code at that line (or a batch whose "
+                "every sample is bad), not diverged weights")
     text = f"reproducible {where}with a finite batch: a bug in the code at that line, or diverged weights"
     if grew:
         named = ", ".join(f"{layer(d['param'])} {g(d['from'])} -> {g(d['to'])} (x{g(d['ratio'])})" for d in grew)

@@ -168,8 +168,10 @@ def _cause(model: nn.Module, cap: Capture, located: Located, call: dict[str, Any
         line = born.line.short() if born.line is not None else None
         return {"cause": cause.DATA, "cause_detail": cause.words_batch(rows, batch, born.culprit, line),
                 "culprit": born.culprit, **({"precision_replay": dtype} if dtype else {})}
-    grew = cause.grown(model, reference)
-    out: dict[str, Any] = {"cause": cause.MODEL, "cause_detail": cause.words_model(grew, dtype)}
+    # every sample made it at an op no trainable weight enters: the code (or the whole batch), no weight to name
+    everyone = born is not None and born.weightless and bool(rows) and batch is not None and len(rows or []) >= batch
+    grew = [] if everyone else cause.grown(model, reference)
+    out: dict[str, Any] = {"cause": cause.MODEL, "cause_detail": cause.words_model(grew, dtype, everyone)}
     if grew:
         out["grew"] = grew
     if dtype:
