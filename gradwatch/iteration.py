@@ -214,7 +214,7 @@ class Iteration:
         self.probe.quiet = False  # the next forward call closes the step
         self.backward, self.served = None, False
         # the step's forward call was seen: the next one closes the step, a value observed before it is
-        # the step's (gradwatch.openstep); not so under ``torch.compile(watched)``, whose graph runs the hooks
+        # the step's (gradwatch.openstep); not so where a compiled graph traces the root's hooks (guard.RootHook)
         self.seen, self.forwarded = self.forwarded, False
         self.stale, self.uncleared, self.at_step = (self.stale + 1 if self.uncleared else 0), False, None
         self.merge_carry()

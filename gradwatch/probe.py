@@ -170,10 +170,10 @@ class Probe:
         self.trained, self.evaluating = self.trained or module.training, self.trained and not module.training
         if self.evaluating:
             return
-        # ``is_dynamo_compiling``, not ``is_compiling``: inside ``torch.compile(watched)`` these
-        # hooks run eagerly around the compiled forward (where ``is_compiling`` is already true)
+        # ``is_dynamo_compiling``, not ``is_compiling``: an older torch runs these hooks around the
+        # compiled forward of ``torch.compile(watched)`` with ``is_compiling`` already true
         if self._lift and torch.compiler.is_compiling():
-            self.keep_root_hooks()  # ``torch.compile(watched)``: its graph is guarded on the hooks
+            self.keep_root_hooks()  # and guards that graph on them
         if not self.paused and torch.is_grad_enabled() and not torch.compiler.is_dynamo_compiling():
             self._on_forward(args, kwargs)
 
