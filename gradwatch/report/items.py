@@ -123,7 +123,8 @@ def items(run: Run, findings: pd.DataFrame, scalars: pd.DataFrame | None = None)
                     if k not in _NOT_EVIDENCE and isinstance(v, int | float) and not isinstance(v, bool)]
         if data.get("origin"):
             evidence.append(("origin", str(data["origin"]) + (f" ({data['type']})" if data.get("type") else "")))
-        related = [str(x) for x in (data.get("layers") or data.get("parameters") or [])][:8]
+        named = [v for v in (data.get("layers"), data.get("parameters")) if isinstance(v, list) and v]
+        related = [str(x) for x in (named[0] if named else [])][:8]  # names (a count, as zero_gradient's, is none)
         out.append(Item(
             index=i, step=int(row.step), kind=str(row.kind), severity=str(row.severity), layer=layer,
             phase=row.phase if isinstance(row.phase, str) else None, message=str(row.message), action=action,
