@@ -69,8 +69,10 @@ _ALERT = False
 _FAULTS: dict[str, list[int]] = {}
 #: the guards that detached or hold a failure to tell
 _ALERTED: set[Guard] = set()
-#: the kinds entered since :func:`inject` began (what a loop reaches)
-ENTERED: set[str] = set()
+#: the calls of each kind since :func:`inject` began (what a loop reaches)
+ENTERED: dict[str, int] = {}
+#: the kinds that are a step's moment: in distributed training, the step's collectives happen there
+MOMENTS = ("step_pre", "gradients_ready", "closure")
 #: the threads gradwatch started itself (:func:`thread`)
 OWN_THREADS: set[int] = set()
 
@@ -81,9 +83,9 @@ def _realert() -> None:
 
 
 @contextmanager
-def inject(kind: str | None, *, after: int = 0) -> Iterator[set[str]]:
+def inject(kind: str | None, *, after: int = 0) -> Iterator[dict[str, int]]:
     """Tests only: the hook of ``kind`` raises :class:`InjectedFault` at its ``after + 1``-th call
-    (None: nothing raises, the kinds entered are only counted). Yields the kinds entered meanwhile.
+    (None: nothing raises, the calls are only counted). Yields the calls of each kind meanwhile.
     """
     if kind is not None and kind not in KINDS:
         raise ValueError(f"unknown hook kind {kind!r}; known: {sorted(KINDS)}")
@@ -102,24 +104,27 @@ class Guard:
     """The guard of one watcher: makes its hooks and detaches it when one of them fails.
 
     Args:
-        failed: detaches the watcher (``Watcher._fail``), called in a thread of the user's.
+        failed: detaches the watcher (``Watcher._fail``), called in a thread of the user's with the
+            exception, the failing hook's kind and its arguments.
     """
 
-    def __init__(self, failed: Callable[[BaseException], None]) -> None:
+    def __init__(self, failed: Callable[[BaseException, str, tuple[Any, ...]], None]) -> None:
         unpickled.install()
         self._failed = failed
         #: the watcher detached: every hook of this guard does nothing from now on
         self.dead = False
         #: a failure in a thread of gradwatch's own, told at the next hook outside those threads
         self.pending: BaseException | None = None
+        #: calls of the hooks of :data:`MOMENTS` so far (did the failing one begin its step's collectives?)
+        self.moments = 0
 
     def hook(self, kind: str, call: Callable[..., Any], cls: type[Hook] | None = None) -> Hook:
         """A hook of ``kind`` (one of :data:`KINDS`) that runs ``call`` guarded."""
         if kind not in KINDS:
             raise ValueError(f"unknown hook kind {kind!r}; add it to gradwatch.guard.KINDS")
-        return (cls or Hook)(self, kind, call)
+        return (cls or (Moment if kind in MOMENTS else Hook))(self, kind, call)
 
-    def failed(self, kind: str, exc: BaseException) -> None:
+    def failed(self, kind: str, exc: BaseException, args: tuple[Any, ...] = ()) -> None:
         """A hook of ``kind`` raised ``exc``: the watcher detaches now, or (gradwatch's own thread) at the
         next hook of the training loop.
         """
@@ -132,7 +137,7 @@ class Guard:
             _realert()
             return
         self.pending = None
-        self._failed(exc)
+        self._failed(exc, kind, args)
 
     def detach(self) -> None:
         """The watcher detached itself: every hook of this guard does nothing from now on (one that torch
@@ -144,7 +149,7 @@ class Guard:
 
     def run(self, kind: str, call: Callable[..., Any], *args: Any) -> Any:
         """Run a public entry of gradwatch's (a framework's signal, a flush) guarded."""
-        return Hook(self, kind, call)(*args)
+        return self.hook(kind, call)(*args)
 
 
 def _slow(hook: Hook) -> bool:
@@ -156,8 +161,8 @@ def _slow(hook: Hook) -> bool:
         exc, guard.pending = guard.pending, None
         guard.failed(hook.kind, exc)
         return False
-    if _FAULTS:
-        ENTERED.add(hook.kind)
+    if _FAULTS and not torch.compiler.is_dynamo_compiling():  # a hook traced into a graph runs only there
+        ENTERED[hook.kind] = ENTERED.get(hook.kind, 0) + 1
         fault = _FAULTS.get(hook.kind)
         if fault is not None:
             fault[1] += 1
@@ -187,7 +192,7 @@ class Hook(unpickled.Dropped):
         except TrainingHalted:
             raise
         except Exception as exc:
-            self._guard.failed(self.kind, exc)
+            self._guard.failed(self.kind, exc, args)
             return None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
@@ -236,6 +241,17 @@ def _untraced(function: Callable[..., Any]) -> None:
 
 
 _untraced(RootHook.__call__)
+
+
+class Moment(Hook):
+    """A hook of a step's moment (:data:`MOMENTS`): its calls are counted."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any) -> Any:
+        """Count the call, then run the hook."""
+        self._guard.moments += 1
+        return Hook.__call__(self, *args)
 
 
 def unwatched(owner: Any, *args: Any) -> None:

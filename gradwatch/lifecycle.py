@@ -218,7 +218,7 @@ class Lifecycle(Recording):
     def _measure(self, step: int, opt: torch.optim.Optimizer | None) -> Measured:
         """Launch the step's statistics and read them, with the observed values, in one host read."""
         if self.group is not None:  # this step's collectives begin, on every rank alike
-            self.group.begin(step, self.found.params)
+            self.group.begin(step, self.found.params, self.guard.moments)
         if step == 0 and self.found.params[self.it.sentinel].grad is None:
             self.it.move_sentinel()
         sampled = self.sampled(step)

@@ -303,15 +303,17 @@ class Watcher:
     def __repr__(self) -> str:
         return f"Watcher(run={str(self.run_dir)!r}, step={self.step}, closed={self.closed})"
 
-    def _fail(self, exc: BaseException) -> None:
-        """Detach after an internal error, keeping what was recorded; training is not touched.
-
-        The watcher stays reachable (``gw.watcher(model)``) as a detached one whose calls do nothing.
+    def _fail(self, exc: BaseException, kind: str = "", args: tuple[Any, ...] = ()) -> None:
+        """Detach after an internal error (in a hook of ``kind`` called with ``args``), keeping what was
+        recorded; training is not touched. The watcher stays reachable (``gw.watcher(model)``), detached.
         """
         if self.detached:
             return
         group = self._steps.group
         if group is not None and not group.departed:  # the other ranks must learn of it in a collective
+            from gradwatch.integrations.distributed import moment_missed
+            if moment_missed(group, self._steps, self.guard.moments, kind, args):  # they wait in this step's
+                group.begin(self._steps.step, self._steps.found.params, self.guard.moments)
             if not group.in_step:
                 if not group.leaving:
                     log.error("gradwatch: internal error on rank %d (%r); every rank stops watching at the "
@@ -323,8 +325,6 @@ class Watcher:
         self.guard.detach()
         self._steps.abandon()
         self.close("crashed")
-        if isinstance(exc, GroupLeft):
-            what = f"{exc}; training continues unwatched"
-        else:
-            what = f"gradwatch stopped watching after an internal error ({exc!r}); training continues unwatched"
-        warnings.warn(f"{what}. The run so far is in {str(self.run_dir)!r}.", InternalWarning, stacklevel=3)
+        what = exc if isinstance(exc, GroupLeft) else f"gradwatch stopped watching after an internal error ({exc!r})"
+        warnings.warn(f"{what}; training continues unwatched. The run so far is in {str(self.run_dir)!r}.",
+                      InternalWarning, stacklevel=3)

@@ -47,6 +47,20 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def moment_missed(group: Group, steps: Any, moment: int, kind: str, args: tuple[Any, ...]) -> bool:
+    """Whether gradwatch failed on this rank in a step's moment (call number ``moment`` of a hook of
+    ``kind``) before that step's collectives began: the other ranks wait in them for this one.
+    """
+    if group.in_step or group.begun_at == moment or kind not in ("step_pre", "gradients_ready", "closure"):
+        return False
+    if kind == "closure":  # a closure is measured only for the model's own optimizers
+        return True
+    opt = args[0] if args else None
+    if (kind == "step_pre" and steps.signalled) or steps.closed or steps.optimizers.entry(opt) is None:
+        return False
+    return steps.open is None or id(opt) in steps.open.optimizers  # not joining a step already open
+
+
 def _key(finding: Finding) -> tuple[Any, ...]:
     """Findings with one key are one finding seen on several ranks.
 
@@ -86,11 +100,15 @@ class Group:
         self._share_pending = False
         self._replicas_pending = False
         self._params = 0
+        self.begun_at = 0
 
-    def begin(self, step: int, params: Sequence[torch.Tensor]) -> None:
-        """A step's collectives begin (on every rank alike): replica check when due, then :meth:`share`."""
+    def begin(self, step: int, params: Sequence[torch.Tensor], moment: int = 0) -> None:
+        """A step's collectives begin (on every rank alike): replica check when due, then :meth:`share`
+        (``moment``: which call of a step's moment began them, see :func:`moment_missed`).
+        """
         from gradwatch.measure import sharded
 
+        self.begun_at = moment
         self._params = len(params)
         self._share_pending = True
         self._replicas_pending = self.due(step) and bool(params) and not sharded(list(params))
