@@ -27,8 +27,8 @@ LEVEL = 3
 NOISY = 6.0
 #: consecutive steps the loss level stays above the bound before it is a divergence
 CONFIRM = 2
-#: a divergence's level is also at least ``RISE`` times its level ``RISE_STEPS`` steps before (once known)
-RISE, RISE_STEPS = 1.25, 20
+#: a divergence runs away: its level is at least ``RUNAWAY`` times its lowest level of the last ``RUNAWAY_STEPS``
+RUNAWAY, RUNAWAY_STEPS = 2.0, 10
 
 
 @dataclass
@@ -43,14 +43,23 @@ class LossSpike(Detector):
     spike steps is one spike, reported at its first step; a loss that stays high for
     ``adapt_after`` steps is a new level, which the window then accepts.
 
+    A spike must also matter on the loss's own scale: once the loss has fallen from its early
+    level (the median of its first ``warmup`` healthy values), it climbs back at least ``share``
+    of the way from the recent level to that early level (a converged classifier's loss of 1e-3
+    that one misclassified sample lifts to 1e-2 is no spike; one back to a tenth of where it
+    started is).
+
     A divergence, judged from the fourth step on (no other history needed): the loss level, the
     median of the last 3 losses, above ``diverge`` times the lowest of the first ``start``
-    losses (more when those first losses are noisy: ``1 + 2 x`` their range over the lowest,
-    at most 6), on 2 steps in a row, and at least 1.25 times the level 20 steps before (once 20
-    steps are in: a level that creeps up over tens of steps, as a GAN generator's loss does while
-    its discriminator learns, is not running away); judged until the loss level first falls below
-    the lowest first loss divided by ``diverge`` (training that made progress and then blows up is
-    judged by the spike baseline).
+    losses on 2 steps in a row, the bound widened for a noisy loss (to ``1 + 2 x`` the first
+    losses' range over the lowest, or to ``exp(2 x)`` the largest drop between two consecutive
+    healthy losses so far: a small batch's loss that jumps by 2x either way; at most 6x), and
+    running away: at least twice its lowest level of the last 10 steps (a level that creeps up
+    over tens of steps, as a GAN generator's loss does while its discriminator learns, is not
+    running away; a level above the bound for ``adapt_after`` steps without running away
+    becomes the baseline's). Judged until the loss level first falls below the lowest first loss
+    divided by ``diverge`` (training that made progress and then blows up is judged by the
+    spike baseline).
     A high loss level within ``adapt_after`` steps of a reported spike is that spike's. Not
     judged for a loss that was ever zero or negative (a policy-gradient loss has no scale to
     diverge from). It names a learning rate that is too high, unless the ``learning_rate``
@@ -65,11 +74,12 @@ class LossSpike(Detector):
         adapt_after: consecutive spike steps after which the window accepts the new level.
         diverge: loss level above this many times the first losses is a divergence.
         start: first losses that make the divergence baseline.
+        share: a spike climbs back at least this share of the way to the loss's early level.
     """
 
     kind = "loss_spike"
     bounds = {"window": Bound(1, 10_000), "warmup": Bound(1, "window"), "diverge": Bound(1, open_low=True),
-              "start": Bound(1)}
+              "start": Bound(1), "share": Bound(0, 1)}
     z: float = 6.0
     ratio: float = 1.0
     window: int = 50
@@ -77,10 +87,15 @@ class LossSpike(Detector):
     adapt_after: int = 20
     diverge: float = 1.5
     start: int = 3
+    share: float = 0.1
     _win: Values = field(init=False, repr=False)
     _first: list[float] = field(default_factory=list, init=False, repr=False)
     _recent: deque[float] = field(default_factory=lambda: deque(maxlen=LEVEL), init=False, repr=False)
-    _levels: deque[float] = field(default_factory=lambda: deque(maxlen=RISE_STEPS + 1), init=False, repr=False)
+    _levels: deque[float] = field(default_factory=lambda: deque(maxlen=RUNAWAY_STEPS), init=False, repr=False)
+    _early: float = field(default=math.nan, init=False, repr=False)  # the median of the first healthy losses
+    _drop: float = field(default=0.0, init=False, repr=False)  # largest log drop between consecutive healthy losses
+    _last: float = field(default=math.nan, init=False, repr=False)  # the last healthy loss
+    _kept: list[float] = field(default_factory=list, init=False, repr=False)  # losses of a level above the bound
     _run: int = field(default=0, init=False, repr=False)
     _diverged: bool = field(default=False, init=False, repr=False)
     _above: int = field(default=0, init=False, repr=False)  # consecutive steps with the level above the bound
@@ -101,26 +116,38 @@ class LossSpike(Detector):
         if loss <= 0 and not self._signed:  # no scale to diverge from; spikes are judged on the loss itself
             self._signed, self._win = True, Values(self.window)
         level, base = self._divergence()
-        spike, median, spread = self._spike(loss)
-        self._run = self._run + 1 if spike else 0
         # a divergence runs away: a level that crept up over tens of steps (a GAN generator's loss as
         # its discriminator learns) is not one; then a high level soon after a reported spike is that
         # spike's doing (a corrupted batch wrecked the model)
         current = _median(list(self._recent))
-        rising = len(self._levels) <= RISE_STEPS or current >= RISE * self._levels[0]
+        runaway = bool(self._levels) and current >= RUNAWAY * min(self._levels)
         self._levels.append(current)
-        above = level is not None and rising and not 0 <= record.step - self._spiked <= self.adapt_after
+        above = level is not None and not 0 <= record.step - self._spiked <= self.adapt_after
         self._above = self._above + 1 if above else 0
-        if not above and (not spike or self._run > self.adapt_after):
-            self._win.update(loss if self._signed else math.log(loss))
-        if not (above or spike) and len(self._first) < self.start:
+        held = above and self._above <= self.adapt_after
+        if above and not held and self._kept:  # a high level that lasted without running away: the new baseline,
+            self._progressed = True  # and the start is left behind (a later blow-up is judged as a spike)
+            self._win, kept = Values(self.window), list(self._kept)
+            self._kept.clear()
+            for value in kept:
+                self._accept(value)
+        if held:
+            self._kept.append(loss)
+        else:
+            self._kept.clear()
+        spike, median, spread = self._spike(loss)
+        self._run = self._run + 1 if spike else 0
+        if not held and (not spike or self._run > self.adapt_after):
+            self._accept(loss)
+        if not (held or spike) and len(self._first) < self.start:
             self._first.append(loss)
         if not above:
             self._diverged = False
-        if self._above >= CONFIRM and not self._diverged:  # a level that lasts, not three noisy batches
+        # a level that lasts, not three noisy batches, and runs away
+        if held and self._above >= CONFIRM and runaway and not self._diverged:
             self._diverged = True
             return self._report_divergence(record, loss, level, base)
-        if not spike or self._run != 1 or above:
+        if not spike or self._run != 1 or held:
             return []
         self._spiked = record.step
         if self._signed:
@@ -133,20 +160,35 @@ class LossSpike(Detector):
         message += raised_lr(self.causes, record.step, data)
         return [self.finding(record, "warning", None, message, value=loss, data=data)]
 
+    def _accept(self, loss: float) -> None:
+        """Fold a healthy loss into the spike baseline (and the early level, and the largest drop)."""
+        win = self._win
+        win.update(loss if self._signed else math.log(loss))
+        if math.isnan(self._early) and win.count >= self.warmup:
+            self._early = win.center if self._signed else math.exp(win.center)
+        if not (self._signed or self._progressed) and self._last > loss:
+            self._drop = max(self._drop, math.log(self._last / loss))
+        self._last = loss
+
     def _spike(self, loss: float) -> tuple[bool, float, float]:
         """Whether ``loss`` is a spike, and the window's median and spread (of the loss itself).
 
         A positive loss is judged in log space (a loss near its floor moves by factors, not by
-        amounts): a spike is ``log(loss) - median > max(z * spread, log(1 + ratio))``.
+        amounts): a spike is ``log(loss) - median > max(z * spread, log(1 + ratio))``; and on the
+        loss's own scale, ``loss - median >= share * (early - median)`` once it fell from its early level.
         """
         win = self._win
         center, spread = win.center, win.spread
         if win.count < self.warmup:
             return False, math.nan, math.nan
         if self._signed:
-            return loss - center > max(self.z * spread, self.ratio * abs(center)), center, spread
-        spike = math.log(loss) - center > max(self.z * spread, math.log1p(self.ratio))
-        return spike, math.exp(center), math.exp(center) * math.expm1(spread)
+            median, spike = center, loss - center > max(self.z * spread, self.ratio * abs(center))
+        else:
+            median = math.exp(center)
+            spike = math.log(loss) - center > max(self.z * spread, math.log1p(self.ratio))
+        if spike and self._early > median:  # a jump that matters against how far the loss has come
+            spike = loss - median >= self.share * (self._early - median)
+        return spike, median, (spread if self._signed else median * math.expm1(spread))
 
     def _divergence(self) -> tuple[float | None, float]:
         """The loss level when it has diverged from the first losses (else None), and the lowest of them."""
@@ -154,7 +196,8 @@ class LossSpike(Detector):
         if len(first) < self.start or self._signed or len(self._recent) < LEVEL:
             return None, math.nan
         base = min(first)  # the start: a first loss that is already diverging does not count as one
-        limit = base * max(self.diverge, min(1.0 + 2.0 * (max(first) - base) / base, NOISY))
+        noisy = max(1.0 + 2.0 * (max(first) - base) / base, math.exp(2.0 * self._drop))
+        limit = base * max(self.diverge, min(noisy, NOISY))
         level = _median(list(self._recent))
         # training that got well below its start has left it: a later rise is a spike's (a corrupted batch)
         self._progressed = self._progressed or level < base / self.diverge
