@@ -50,6 +50,8 @@ class Judge:
         self._now = [d for d in all_detectors if not d.late]
         self._late = [d for d in all_detectors if d.late]
         self.exploding = next((d for d in all_detectors if isinstance(d, Exploding)), None)
+        #: what the detectors built together share; every step's loss goes into it (``Causes.loss_of``)
+        self._causes = all_detectors[0].causes if all_detectors else None
         self._writer = writer
         self._fold = Cooldown(options.cooldown)
         self._flight: deque[StepRecord] = deque(maxlen=options.flight_recorder)
@@ -63,6 +65,8 @@ class Judge:
     # ---------------------------------------------------------------- checks
     def check(self, record: StepRecord) -> list[Finding]:
         """Run the per-step detectors on a record."""
+        if self._causes is not None:
+            self._causes.loss_of(record)
         return self._run(self._now, record)
 
     def check_late(self, record: StepRecord) -> list[Finding]:
@@ -75,6 +79,8 @@ class Judge:
         when the loss is not finite while the gradients were (else the step's finding said so).
         """
         bad = not math.isfinite(record.scalars["loss"]) and record.gradients_finite()
+        if self._causes is not None:
+            self._causes.loss_of(record)
         return self._run([d for d in self._now if d.kind == "loss_spike" or (bad and d.kind == "nonfinite")], record)
 
     def _run(self, running: list[detectors.Detector], record: StepRecord) -> list[Finding]:

@@ -105,7 +105,11 @@ def test_gpt_lr_1000x_diverging_is_named_at_step_0(tmp_path: Path) -> None:
     assert summary(found[:1]) == [("learning_rate", 0, "transformer.h.0.attn.c_proj")]
     assert "update is 9.3x the weights at step 0" in found[0]["message"]
     assert "loss_spike" not in {f["kind"] for f in found}, "the divergence is the learning rate's"
-    assert all(f["kind"] == "exploding" and f["data"]["cause"] == "learning_rate" for f in found[1:])
+    # the run then diverged (issue 26): the learning-rate finding becomes an error, once
+    assert [(f["kind"], f["step"], f["severity"]) for f in found[1:]] == [("learning_rate", 10, "error")]
+    assert found[1]["layer"] == "transformer.h.0.attn.c_proj" and found[1]["data"]["evidence"] == "diverged"
+    assert found[1]["message"].startswith("learning rate too high for transformer.h.0.attn.c_proj, named at step 0: "
+                                          "the run has diverged since: the loss is 11.97 at step 10")
 
 
 def test_gpt_lr_far_too_low_is_named(tmp_path: Path) -> None:
@@ -117,9 +121,14 @@ def test_gpt_lr_far_too_low_is_named(tmp_path: Path) -> None:
 
 
 def test_resnet_lr_100x_is_named_at_step_0(tmp_path: Path) -> None:
-    found = loud(train(resnet, tmp_path / "run", lr_scale=100))
-    assert summary(found) == [("learning_rate", 0, "layer1.0.conv1")]
+    result = train(resnet, tmp_path / "run", lr_scale=100)
+    found = loud(result)
+    assert summary(found) == [("learning_rate", 0, "layer1.0.conv1"), ("learning_rate", 20, "layer1.0.conv1")]
     assert "learning rate too high for layer1.0.conv1 (Conv2d): update is 3.5x the weights" in found[0]["message"]
+    # the loss ends where it started (chance: ln 10): the run never learned, an error (issue 26)
+    assert sum(result.losses[-5:]) / 5 > 2.25
+    assert found[1]["severity"] == "error" and found[1]["data"]["evidence"] == "no_progress"
+    assert "named at step 0: the run has not learned since: the loss is 2.966 at step 20" in found[1]["message"]
 
 
 def test_resnet_lr_far_too_low_is_one_finding(tmp_path: Path) -> None:
@@ -133,7 +142,9 @@ def test_word_lm_lr_100x_is_named_at_step_0(tmp_path: Path) -> None:
     found = loud(train(lstm_lm, tmp_path / "run", optimizer="sgd", lr_scale=100))
     assert summary(found)[0] == ("learning_rate", 0, "decoder")
     assert "update is 64x the weights at step 0" in found[0]["message"]
-    later = found[1:]  # the wrecked model's gradients later jump back: still clipped, tied to the cause
+    assert (summary(found)[1], found[1]["severity"]) == (("learning_rate", 10, "decoder"), "error")  # diverged
+    assert "the run has diverged since: the loss is 340.6 at step 10" in found[1]["message"]
+    later = found[2:]  # the wrecked model's gradients later jump back: still clipped, tied to the cause
     assert all(f["kind"] == "exploding" and f["data"]["cause"] == "learning_rate" for f in later), summary(later)
 
 
@@ -153,10 +164,13 @@ def test_hf_trainer_lr_100x_is_named(tmp_path: Path) -> None:
 @pytest.mark.slow  # a Trainer run
 def test_hf_trainer_lr_1000x_divergence_is_named_within_3_steps(tmp_path: Path) -> None:
     """Warmup from lr 0: the weights start moving at step 1, the loss rises from step 3 (4.3 -> 6.2 -> 8.3)
-    and the divergence is named once its level held for two steps."""
+    and the divergence is named once its level held for two steps; still diverged 15 steps later, the
+    run is lost: an error (issue 26)."""
     result = train(hf_trainer, tmp_path / "run", lr_scale=1000)
     found = loud(result)
-    assert summary(found) == [("loss_spike", 5, None)]
+    assert summary(found) == [("loss_spike", 5, None), ("learning_rate", 20, None)]
+    assert found[1]["severity"] == "error" and found[1]["message"].startswith(
+        "learning rate too high, named at step 5: the run has diverged since: the loss is 27.19 at step 20")
     assert found[0]["message"].startswith("loss 8.346 at step 5 (median of the last 3) is 2.08x its first values "
                                           "(4.011): training is diverging; the learning rate is likely too high")
     assert found[0]["data"]["divergence"] and found[0]["data"]["cause"] == "learning_rate"

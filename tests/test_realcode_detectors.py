@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -306,3 +307,71 @@ def test_a_learning_rate_multiplied_mid_run_is_named_whichever_step_it_lands_on(
     assert first.step <= (raise_at // 10 + 1) * 10, "named by the next sampled step at the latest"
     assert first.data["cause"] == "learning_rate", findings[["step", "kind", "message"]]
     assert "raised" in first.message
+
+
+# ----------------------------------------------------------- issue 26, item 5: fine-tuning
+def test_a_relu_is_not_blamed_when_the_carrier_got_a_weight_gradient() -> None:
+    """lora_A's outputs reach a lora_B still at zero: lora_B outputs zeros and lora_A gets no gradient,
+    as behind a dead functional ReLU; but lora_B's weights got a gradient, so its input was not all
+    zeros (and zero weights make zeros by design): no ReLU is blamed and nothing is dead."""
+    from gradwatch.detectors.dead_units import DeadUnits
+
+    lay = layout({"lora_A": 64, "lora_B": 64})
+    detector = DeadUnits()
+    for step in (0, 10):
+        found = detector.check(record(lay, step, act_zero_frac=[0.0, 1.0], grad_norm=[0.0, 0.3],
+                                      param_norm=[1.2, 0.0], grad_nonfinite=[0, 0]))
+        assert found == []
+    # the same zeros reaching a Linear whose weights are not zero and got no gradient: a dead ReLU before it
+    detector = DeadUnits()
+    found = [f for step in (0, 10) for f in detector.check(record(lay, step, act_zero_frac=[0.0, 1.0],
+                                                                  grad_norm=[0.0, 0.0], param_norm=[1.2, 0.8],
+                                                                  grad_nonfinite=[0, 0]))]
+    assert [(f.step, f.layer, f.data["zeroed_in"]) for f in found] == [(10, "lora_A", "lora_B")]
+
+
+def test_parameters_in_no_optimizer_are_named_even_when_nothing_moves() -> None:
+    """The optimizer holds only frozen weights (ratio NaN: not measured for them either, their norm is
+    not taken): the trainable parameters with gradients are in no optimizer, and nothing trains."""
+    lay = dataclasses.replace(layout({"base": 100, "lora_B": 100, "head": 100}), trainable=(False, True, True))
+    found = UnoptimizedParameter().check(record(lay, update_ratio=[np.nan, np.nan, np.nan],
+                                                grad_norm=[np.nan, 0.5, 1.0], param_norm=[np.nan, 0.0, 1.0]))
+    assert [(f.layer, f.severity, f.data["parameters"]) for f in found] == [
+        ("lora_B", "error", ["lora_B.weight", "head.weight"])]
+    # some trainable parameter is held (and moves): the one left out is a warning
+    lay = dataclasses.replace(lay, trainable=(True, True, True))
+    found = UnoptimizedParameter().check(record(lay, update_ratio=[0.0, np.nan, np.nan],
+                                                grad_norm=[1.0, 0.5, 1.0], param_norm=[1.0, 0.0, 1.0]))
+    assert [(f.layer, f.severity) for f in found] == [("lora_B", "warning")]
+
+
+def _lr_run(detector: LearningRate, steps: range, losses: Any, ratios: Any) -> list[Any]:
+    """Feed every step's loss to the shared causes (as the judge does) and judge every 10th step."""
+    lay = layout({"a": 100, "b": 100})
+    found = []
+    for step in steps:
+        rec = record(lay, step, scalars={"loss": losses(step), "lr": 1e-2}, update_ratio=ratios(step),
+                     param_norm=[1.0, 1.0], grad_norm=[1.0, 1.0], grad_nonfinite=[0, 0])
+        detector.causes.loss_of(rec)
+        if step % 10 == 0:
+            found += detector.check(rec)
+    return found
+
+
+def test_large_updates_with_a_loss_that_stopped_falling_are_a_learning_rate_too_high_then_an_error() -> None:
+    found = _lr_run(LearningRate(), range(50), lambda s: 0.69 + 0.01 * (s % 3), lambda s: [0.08, 0.1])
+    assert [(f.step, f.severity, f.data["evidence"]) for f in found] == [
+        (10, "warning", "update_ratio_no_progress"), (30, "error", "no_progress")]
+    # the same updates with a loss that falls (a small model trained from scratch, the word LM): quiet
+    assert _lr_run(LearningRate(), range(50), lambda s: 4.6 - 0.05 * s, lambda s: [0.08, 0.1]) == []
+    # a loss that is flat with healthy updates: not the learning rate's
+    assert _lr_run(LearningRate(), range(50), lambda s: 0.69, lambda s: [0.01, 0.01]) == []
+
+
+def test_a_learning_rate_named_too_high_whose_loss_diverges_is_an_error_once() -> None:
+    found = _lr_run(LearningRate(), range(60), lambda s: 2.3 * (1 + s), lambda s: [5.0, 8.0])
+    assert [(f.step, f.severity, f.layer) for f in found] == [(0, "warning", "b"), (10, "error", "b")]
+    assert found[1].message.startswith("learning rate too high for b, named at step 0: the run has diverged since")
+    # named too high, then the loss fell: the warning stands alone
+    found = _lr_run(LearningRate(), range(60), lambda s: 2.3 / (1 + s), lambda s: [5.0, 8.0] if s == 0 else [1e-3] * 2)
+    assert [(f.step, f.severity) for f in found] == [(0, "warning")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 #: a cause named this many steps ago or less still explains what the other detectors see
@@ -20,6 +21,11 @@ EXPLOSION = "explosion"
 RAISED = 10.0
 #: steps after a raise that a spike or an explosion is blamed on it
 RAISE_STEPS = 10
+#: the first losses that make the loss's starting level (the lowest of them: the first losses of a run whose
+#: learning rate is too high are already its updates' doing, and healthy first losses are noisy)
+START_LOSSES = 3
+#: the latest losses whose median is the loss's current level
+LEVEL_LOSSES = 5
 
 
 class Causes:
@@ -35,6 +41,32 @@ class Causes:
     def __init__(self) -> None:
         self._named: dict[str, int] = {}
         self._lr: dict[int, float] = {}  # the learning rate of the latest steps (seen by ``lr_of``)
+        self._first: list[tuple[int, float]] = []  # the first finite losses, by step (``loss_of``)
+        self._recent: deque[tuple[int, float]] = deque(maxlen=LEVEL_LOSSES)
+        self._signed = False  # a loss was zero or negative: it has no scale to compare levels on
+
+    def loss_of(self, record: Any) -> None:
+        """Remember the step's loss (the judge tells every step's, once it is known, live and offline alike)."""
+        loss = record.scalars.get("loss")
+        if loss is None or not math.isfinite(loss) or (self._recent and record.step < self._recent[-1][0]):
+            return
+        if self._recent and record.step == self._recent[-1][0]:  # a late value changed the step's loss (its mean)
+            self._recent.pop()
+            if self._first and self._first[-1][0] == record.step:
+                self._first.pop()
+        self._signed = self._signed or loss <= 0
+        if len(self._first) < START_LOSSES:
+            self._first.append((record.step, loss))
+        self._recent.append((record.step, loss))
+
+    def loss_levels(self) -> tuple[float, float, int] | None:
+        """The loss's starting level (the lowest of its first losses), its current level (median of the
+        latest) and the step of the latest loss; None before enough losses or for a loss without a
+        scale (ever zero or negative).
+        """
+        if self._signed or len(self._first) < START_LOSSES or len(self._recent) < LEVEL_LOSSES:
+            return None
+        return min(v for _, v in self._first), _median([v for _, v in self._recent]), self._recent[-1][0]
 
     def lr_of(self, record: Any) -> None:
         """Remember the step's learning rate (each detector that asks :meth:`raised` tells it every step)."""
@@ -57,6 +89,10 @@ class Causes:
     def note(self, cause: str, step: int) -> None:
         """``cause`` was named by a finding at ``step``."""
         self._named[cause] = step
+
+    def when(self, cause: str) -> int | None:
+        """The step ``cause`` was last named at (None: never)."""
+        return self._named.get(cause)
 
     def named(self, cause: str, step: int, within: int = QUIET_STEPS) -> bool:
         """Whether ``cause`` was named at most ``within`` steps before ``step``."""
@@ -87,3 +123,9 @@ def raised_lr(causes: Causes, step: int, data: dict[str, Any]) -> str:
     data.update(cause="learning_rate", lr_raised_at=at, lr_before=before, lr=after, hint=HINT_RAISED)
     return (f" The learning rate was raised {after / before:.3g}x at step {at} ({before:.3g} -> {after:.3g}): "
             "the likely cause.")
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])

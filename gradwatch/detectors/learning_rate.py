@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.detectors.causes import EXPLOSION, LR_HIGH, LR_LOW, RAISED
+from gradwatch.detectors.causes import EXPLOSION, LEVEL_LOSSES, LR_HIGH, LR_LOW, QUIET_STEPS, RAISED
 from gradwatch.findings import Finding
 from gradwatch.records import CLOSURE_EVALUATIONS, PARAM, StepRecord
 
@@ -17,6 +17,13 @@ HINT_HIGH = (
     "steps move every weight by about lr, so lr must be well below the weights' typical size "
     "(0.02 in a GPT-style initialisation)"
 )
+HINT_LOST = (
+    "lower the learning rate (by 10x to start with, or back to the usual range: 1e-5 to 1e-4 to fine-tune a "
+    "pretrained transformer with AdamW) and restart from the weights of before the learning rate was named: "
+    "these are wrecked"
+)
+#: the loss's level at least this many times its first values, after a too-high learning rate was named: diverged
+DIVERGED = 2.0
 HINT_LOW = (
     "raise the learning rate (check its units and the scheduler: a warmup that never ends, a "
     "lambda that multiplies by a tiny factor, or lr meant for a loss summed instead of averaged)"
@@ -50,6 +57,23 @@ class LearningRate(Detector):
     steps in a row (steps where nothing moved, e.g. a warmup starting at lr 0, and steps whose
     learning rate was decayed below a tenth of its largest value do not count).
 
+    Too high, with a loss that stops falling: on a sampled step, the layers holding half of the
+    model's parameters (those that do not move counted too: a model whose bulk is dead does not
+    rewrite its weights) move by ``stall_median`` (0.05) or more of their weights (50x the ~1e-3 of
+    healthy runs, whatever the optimizer: Adam on a pretrained model at 5e-5 moves them by ~1e-3,
+    at 1e-3 by ~1e-2); layers whose weights started at zero (LoRA's ``lora_B``) have no scale of
+    their own and do not count. Large updates alone are not a fault (a small model trained from
+    scratch moves fast and learns); with them, within ``3 x confirm`` steps, the loss's level (the
+    median of its last 5 values, every step's loss counted) not below its starting level (the
+    lowest of its first 3), ``confirm`` steps or more into the run, is: the weights are being
+    rewritten and nothing is learned (a fine-tuned classifier collapsed to one class sits at ln 2).
+
+    A learning rate named too high (by this detector or by ``loss_spike``'s divergence) is an
+    error once the run shows what it did, ``confirm`` steps or more after it was named: the loss's
+    level ``DIVERGED`` (2) times its starting level or more (diverged), or not below it on two
+    sampled steps ``confirm`` steps apart (never learned); once per run. A loss that was ever zero
+    or negative has no scale: not judged by the loss.
+
     A learning rate already named too high (by this detector or by ``loss_spike``'s divergence)
     is not named again for 100 steps.
 
@@ -60,19 +84,24 @@ class LearningRate(Detector):
         growth: parameter-norm growth per 10 steps that is geometric (too-high learning rate).
         low: every layer's update ratio below this is a too-low learning rate.
         patience_low: consecutive sampled steps for a too-low learning rate.
+        stall_median: the median layer's update ratio, at least, that with a loss not falling is too high.
+        confirm: steps the loss is given to show what a too-high learning rate did.
     """
 
     kind = "learning_rate"
     late = True
     bounds = {"high": Bound(0, open_low=True), "high_median": Bound(0, open_low=True),
               "high_raised": Bound(0, open_low=True),
-              "growth": Bound(1, open_low=True), "low": Bound(0, open_low=True), "patience_low": Bound(1)}
+              "growth": Bound(1, open_low=True), "low": Bound(0, open_low=True), "patience_low": Bound(1),
+              "stall_median": Bound(0, open_low=True), "confirm": Bound(1)}
     high: float = 0.5
     high_median: float = 0.2
     high_raised: float = 0.1
     growth: float = 2.0
     low: float = 1e-5
     patience_low: int = 2
+    stall_median: float = 0.05
+    confirm: int = 10
     _version: int = field(default=-1, init=False, repr=False)
     _prev: tuple[int, float, np.ndarray] | None = field(default=None, init=False, repr=False)
     _low_run: int = field(default=0, init=False, repr=False)
@@ -83,6 +112,13 @@ class LearningRate(Detector):
     _grew: bool = field(default=False, init=False, repr=False)  # the previous interval's weights grew too fast
     _prev_lr: float | None = field(default=None, init=False, repr=False)
     _prev_median: float = field(default=0.0, init=False, repr=False)  # the previous judged step's median ratio
+    _from_zero: np.ndarray | None = field(default=None, init=False, repr=False)  # layers whose weights started at 0
+    #: the latest sampled step whose updates rewrote the weights: (step, median ratio, largest's layer, largest)
+    _hot: tuple[int, float, int, float] | None = field(default=None, init=False, repr=False)
+    #: the step and layer this detector named the learning rate too high at
+    _layer: tuple[int, str | None] | None = field(default=None, init=False, repr=False)
+    _lost: bool = field(default=False, init=False, repr=False)  # the run was called lost (an error): once
+    _stuck: int | None = field(default=None, init=False, repr=False)  # first check since naming, loss not fallen
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Judge a sampled step's update ratios and parameter norms."""
@@ -93,7 +129,9 @@ class LearningRate(Detector):
             return []
         layout = record.layout
         if layout.version != self._version:
-            self._version, self._prev, self._low_run = layout.version, None, 0
+            self._version, self._prev, self._low_run, self._from_zero = layout.version, None, 0, None
+        if self._from_zero is None:
+            self._from_zero = np.asarray(weights == 0)
         lr = record.scalars.get("lr")
         if lr is not None and math.isfinite(lr):
             self._top_lr = max(self._top_lr, lr)
@@ -111,7 +149,69 @@ class LearningRate(Detector):
             if not decayed:
                 out += self._low(record, ratio, moving, lr)
             self._prev_lr = lr
-        return out[:1]  # one cause, one finding
+        out += self._stalled(record, ratio, measured & ~self._from_zero)  # layers that do not move count too
+        if out and out[0].data.get("direction") == "high":
+            self._layer = (record.step, out[0].layer)
+        return out[:1] + self._lost_run(record)  # one cause, one finding; then what it did to the run
+
+    def _stalled(self, record: StepRecord, ratio: np.ndarray, measured: np.ndarray) -> list[Finding]:
+        """Updates far beyond any healthy run's, with a loss that has stopped falling."""
+        if measured.any():
+            idx = np.flatnonzero(measured)
+            median = _weighted_median(ratio[idx], np.asarray(record.layout.layer_numel, dtype=np.float64)[idx])
+            if median >= self.stall_median:
+                top = int(idx[np.argmax(ratio[idx])])
+                self._hot = (record.step, median, top, float(ratio[top]))
+        levels = self.causes.loss_levels()
+        hot = self._hot
+        if hot is None or levels is None or record.step - hot[0] > 3 * self.confirm or record.step < self.confirm:
+            return []
+        start, level, _ = levels
+        if level < start or self._named(record):
+            return []
+        self.causes.note(LR_HIGH, record.step)
+        at, median, top, largest = hot
+        name, type_ = record.layout.layers[top], record.layout.layer_types[top]
+        message = (f"learning rate too high for {name} ({type_}): the updates rewrite the weights (half of them move "
+                   f"by {median:.2g}x or more per step at step {at}, {name} by {largest:.2g}x; healthy runs: ~1e-3) "
+                   f"and the loss has stopped falling: {level:.4g} at step {record.step} (median of the last "
+                   f"{LEVEL_LOSSES}), not below where it started ({start:.4g}); lower it (by 10x to start with).")
+        data = {"direction": "high", "evidence": "update_ratio_no_progress", "update_ratio": largest,
+                "median": median, "at": at, "loss_level": level, "first": start, "lr": record.scalars.get("lr"),
+                "cause": "learning_rate", "hint": HINT_HIGH}
+        return [self.finding(record, "warning", name, message, value=median, data=data)]
+
+    def _lost_run(self, record: StepRecord) -> list[Finding]:
+        """An error, once: the learning rate named too high, and the run diverged or never learned since."""
+        named = self.causes.when(LR_HIGH)
+        levels = self.causes.loss_levels()
+        if self._lost or named is None or levels is None or not 0 <= record.step - named <= QUIET_STEPS + self.confirm:
+            return []
+        if record.step - named < self.confirm:
+            return []
+        start, level, _ = levels
+        if level < start:
+            self._stuck = None
+            return []
+        diverged = level >= DIVERGED * start
+        self._stuck = record.step if self._stuck is None else self._stuck
+        if not diverged and record.step - self._stuck < self.confirm:
+            return []
+        self._lost = True
+        layer = self._layer[1] if self._layer is not None and self._layer[0] == named else None
+        by = f" for {layer}" if layer is not None else ""
+        if diverged:
+            what = (f"the run has diverged since: the loss is {level:.4g} at step {record.step} (median of the last "
+                    f"{LEVEL_LOSSES}), {level / start:.3g}x where it started ({start:.4g})")
+        else:
+            what = (f"the run has not learned since: the loss is {level:.4g} at step {record.step} (median of the last "
+                    f"{LEVEL_LOSSES}), not below where it started ({start:.4g}) {record.step - named} steps later")
+        message = (f"learning rate too high{by}, named at step {named}: {what}. The weights are wrecked: lower the "
+                   f"learning rate and restart from before step {named}.")
+        data = {"direction": "high", "evidence": "diverged" if diverged else "no_progress", "named_at": named,
+                "loss_level": level, "first": start, "lr": record.scalars.get("lr"), "cause": "learning_rate",
+                "hint": HINT_LOST}
+        return [self.finding(record, "error", layer, message, value=level, data=data)]
 
     def _named(self, record: StepRecord) -> bool:
         return self.causes.named(LR_HIGH, record.step)
