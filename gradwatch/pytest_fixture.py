@@ -137,7 +137,7 @@ class GradwatchFixture:
         self._handles = register.every_module(hooks.hook("pytest_fixture", self._enter),
                                               hooks.hook("pytest_fixture", self._leave))
 
-    def _broken(self, exc: BaseException) -> None:
+    def _broken(self, exc: BaseException, *where: Any) -> None:
         from gradwatch.errors import InternalWarning
 
         for handle in self._handles:

@@ -230,8 +230,11 @@ def _close_all() -> None:
         w.guard.run("atexit", w.close, "crashed" if _crashed else None)
 
 
-def _failed(exc: BaseException) -> None:
+def _failed(exc: BaseException, kind: str, args: tuple[Any, ...]) -> None:
     """A hook of no watcher's failed (the first forward of a watched class's instance, the excepthook)."""
+    entry_ = _pending.pop(args[0], None) if kind == "first_forward" and args else None
+    if entry_ is not None:  # that instance is left unwatched
+        entry_[0].remove()
     warnings.warn(f"gradwatch failed ({exc!r}); training continues unwatched by it", InternalWarning, stacklevel=3)
 
 

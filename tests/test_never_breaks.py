@@ -281,3 +281,54 @@ def test_a_failure_on_one_rank_in_any_entry_point_leaves_ddp_training_unchanged(
     for kind in kinds:
         with gw.open_run(tmp_path / kind) as stored:
             assert stored.status == "crashed" and stored.steps <= STEPS, kind
+
+
+# ------------------------------------ entry points outside the plain loop
+def _closure_loop(run: Path | None, fault: str | None) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """L-BFGS, which evaluates ``optimizer.step(closure)``'s closure itself (watched into ``run`` unless None)."""
+    torch.manual_seed(0)
+    model = Net()
+    if run is not None:
+        gw.watch(model, run=run, rules=None, console=False)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught, guard.inject(fault, after=2):
+        warnings.simplefilter("always")
+        for _ in range(5):
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                opt.zero_grad()
+                loss = model(x, y)[1]
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    if run is not None:
+        gw.unwatch(model)
+    return {k: v.clone() for k, v in model.state_dict().items()}, [
+        str(w.message) for w in caught if issubclass(w.category, gw.InternalWarning)]
+
+
+@pytest.mark.parametrize("kind", ["closure", "step_pre", "backward_end"])
+def test_a_failure_while_the_optimizer_evaluates_the_closure_changes_nothing(tmp_path: Path, kind: str) -> None:
+    reference, _ = _closure_loop(None, None)
+    weights, internal = _closure_loop(tmp_path / "run", kind)
+    assert len(internal) == 1 and "fault injected" in internal[0], internal
+    assert _same(weights, reference)
+
+
+def test_a_failure_at_the_first_forward_of_a_watched_class_leaves_it_unwatched(tmp_path: Path) -> None:
+    @gw.watch(run=tmp_path / "run", rules=None, console=False)
+    class Watched(Net):
+        pass
+
+    torch.manual_seed(0)
+    model = Watched()
+    with warnings.catch_warnings(record=True) as caught, guard.inject("first_forward"):
+        warnings.simplefilter("always")
+        out, loss = model(torch.randn(4, 8), torch.randn(4, 1))
+        loss.backward()
+    internal = [str(w.message) for w in caught if issubclass(w.category, gw.InternalWarning)]
+    assert len(internal) == 1 and "fault injected" in internal[0], internal
+    assert not model._forward_pre_hooks, "the first-forward hook is gone"
