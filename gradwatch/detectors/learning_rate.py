@@ -24,6 +24,9 @@ HINT_LOST = (
 )
 #: the loss's level at least this many times its first values, after a too-high learning rate was named: diverged
 DIVERGED = 2.0
+#: the median layer's gradient this small a share of its first judged value: training converged (its updates are
+#: small because its gradients are, not because of the learning rate)
+CONVERGED = 1e-2
 HINT_LOW = (
     "raise the learning rate (check its units and the scheduler: a warmup that never ends, a "
     "lambda that multiplies by a tiny factor, or lr meant for a loss summed instead of averaged)"
@@ -54,8 +57,10 @@ class LearningRate(Detector):
     too high.
 
     Too low: every layer's update is below ``low`` of its weights on ``patience_low`` sampled
-    steps in a row (steps where nothing moved, e.g. a warmup starting at lr 0, and steps whose
-    learning rate was decayed below a tenth of its largest value do not count).
+    steps in a row (steps where nothing moved, e.g. a warmup starting at lr 0, steps whose
+    learning rate was decayed below a tenth of its largest value, and steps whose median layer's
+    gradient fell below ``CONVERGED`` (1e-2) of its first judged value -- a converged run whose
+    updates are small because its gradients are -- do not count).
 
     Too high, with a loss that stops falling: on a sampled step, the layers holding half of the
     model's parameters (those that do not move counted too: a model whose bulk is dead does not
@@ -105,6 +110,7 @@ class LearningRate(Detector):
     _version: int = field(default=-1, init=False, repr=False)
     _prev: tuple[int, float, np.ndarray] | None = field(default=None, init=False, repr=False)
     _low_run: int = field(default=0, init=False, repr=False)
+    _grad0: float = field(default=math.nan, init=False, repr=False)  # the median layer's gradient, first judged
     _top_lr: float = field(default=0.0, init=False, repr=False)
     _judged: int = field(default=0, init=False, repr=False)  # sampled steps whose updates were judged
     _was_high: bool = field(default=False, init=False, repr=False)  # the previous one's updates were too large
@@ -130,6 +136,7 @@ class LearningRate(Detector):
         layout = record.layout
         if layout.version != self._version:
             self._version, self._prev, self._low_run, self._from_zero = layout.version, None, 0, None
+            self._grad0 = math.nan
         if self._from_zero is None:
             self._from_zero = np.asarray(weights == 0)
         lr = record.scalars.get("lr")
@@ -278,7 +285,12 @@ class LearningRate(Detector):
 
     def _low(self, record: StepRecord, ratio: np.ndarray, moving: np.ndarray, lr: float | None) -> list[Finding]:
         largest = float(np.max(ratio[moving]))
-        self._low_run = self._low_run + 1 if largest < self.low else 0
+        grads = record.vector("grad_norm")
+        grad = float(np.median(grads[moving])) if grads is not None else math.nan
+        if math.isnan(self._grad0):
+            self._grad0 = grad
+        converged = grad < CONVERGED * self._grad0  # a converged classifier's updates are ~1e-6 of its weights
+        self._low_run = self._low_run + 1 if largest < self.low and not converged else 0
         if self._low_run != self.patience_low:
             return []
         self.causes.note(LR_LOW, record.step)
