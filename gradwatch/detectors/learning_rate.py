@@ -27,6 +27,9 @@ DIVERGED = 2.0
 #: the median layer's gradient this small a share of its first judged value: training converged (its updates are
 #: small because its gradients are, not because of the learning rate)
 CONVERGED = 1e-2
+#: the first steps of a run, whose updates say little of the learning rate for ``stall_median``: Adam-type optimizers
+#: move every weight by about lr on them, whatever the gradients (bias correction), and the run has learned nothing yet
+TRANSIENT = 5
 HINT_LOW = (
     "raise the learning rate (check its units and the scheduler: a warmup that never ends, a "
     "lambda that multiplies by a tiny factor, or lr meant for a loss summed instead of averaged)"
@@ -66,7 +69,9 @@ class LearningRate(Detector):
     model's parameters (those that do not move counted too: a model whose bulk is dead does not
     rewrite its weights) move by ``stall_median`` (0.05) or more of their weights (50x the ~1e-3 of
     healthy runs, whatever the optimizer: Adam on a pretrained model at 5e-5 moves them by ~1e-3,
-    at 1e-3 by ~1e-2); layers whose weights started at zero (LoRA's ``lora_B``) have no scale of
+    at 1e-3 by ~1e-2), past the run's first ``TRANSIENT`` (5) steps (Adam's first steps move every
+    weight by about lr whatever the gradients: a GPT trained from scratch at 3e-3 without warmup
+    moves them by 0.15x on its first step, and learns); layers whose weights started at zero (LoRA's ``lora_B``) have no scale of
     their own and do not count. Large updates alone are not a fault (a small model trained from
     scratch moves fast and learns); with them, within ``3 x confirm`` steps, the loss's level (the
     median of its last 5 values, every step's loss counted) not below its starting level (the
@@ -166,7 +171,7 @@ class LearningRate(Detector):
         if measured.any():
             idx = np.flatnonzero(measured)
             median = _weighted_median(ratio[idx], np.asarray(record.layout.layer_numel, dtype=np.float64)[idx])
-            if median >= self.stall_median:
+            if median >= self.stall_median and record.step >= TRANSIENT:
                 top = int(idx[np.argmax(ratio[idx])])
                 self._hot = (record.step, median, top, float(ratio[top]))
         levels = self.causes.loss_levels()
