@@ -29,6 +29,8 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 from torch import nn
 
 import gradwatch as gw
@@ -302,6 +304,10 @@ def check_every_output(path: Path, findings: list[Finding]) -> None:
     board = TensorBoard(path)
     board.write_findings(findings)
     board.close("finished")
+    events = EventAccumulator(str(path), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = [tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in events.Tensors("findings")]
+    assert [f.message in text for f, text in zip(findings, texts)] == [True] * len(findings)
 
 
 @pytest.mark.slow
@@ -309,7 +315,7 @@ def check_every_output(path: Path, findings: list[Finding]) -> None:
 def test_every_output_renders_every_kind_with_nonfinite_numbers(kind: str) -> None:
     assert SHAPES.get(kind), f"no real data of {kind!r} in tests/data/finding_data.json: add a finding of it"
 
-    @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(findings_of(kind))
     def prop(findings: list[Finding]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
