@@ -199,8 +199,8 @@ def _put_all(items: list[Any], forms: dict[str, Any]) -> bool:
         *outer, last = pos.split("/")
         target: Any = items
         try:
-            for i in outer:
-                target = target[int(i)]
+            for index in outer:
+                target = target[int(index)]
             if not isinstance(target, list) or target[int(last)] is not None:
                 return False
         except (ValueError, IndexError, TypeError):
