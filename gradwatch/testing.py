@@ -16,7 +16,6 @@ of a healthy training run (:func:`healthy_records`), read back from its store.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradwatch as gw
-from gradwatch import detectors
+from gradwatch import detectors, encoding
 from gradwatch.actions import Action
 from gradwatch.detectors import Detector
 from gradwatch.findings import SEVERITIES
@@ -198,7 +197,7 @@ class ActionContract:
             assert nan["action"].iloc[0] == self.action.name
         else:  # it did nothing: not recorded as done, and its outcome says why
             assert nan["action"].iloc[0] == "warn" and nan["data"].iloc[0]["outcome"]
-        json.dumps(list(nan["data"]))
+        encoding.dumps(list(nan["data"]))  # every output can write its data (strict JSON, NaN/Inf included)
         finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         if self.protects:
             assert finite
