@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 #: id(flag dict) -> (a weak reference to it, the keys of gradwatch's hooks in it)
-_EXTRA: dict[int, tuple[weakref.ref[OrderedDict[int, bool]], set[int]]] = {}
+_EXTRA: dict[int, tuple[weakref.ref[dict[int, bool]], set[int]]] = {}
 _installed = False
 
 
@@ -28,7 +28,7 @@ class Dropped:
     __slots__ = ()
 
 
-def note_extra(flags: OrderedDict[int, bool], key: int) -> None:
+def note_extra(flags: dict[int, bool], key: int) -> None:
     """``flags`` (a module's ``_forward_pre_hooks_with_kwargs``) holds the flag of gradwatch's hook ``key``."""
     install()
     ident = id(flags)
@@ -40,7 +40,7 @@ def note_extra(flags: OrderedDict[int, bool], key: int) -> None:
 
 def _reduce(od: OrderedDict[Any, Any]) -> Any:
     """``OrderedDict.__reduce__``, with gradwatch's hooks (and their flags) left out."""
-    cls, args, state, listitems, items = od.__reduce__()  # type: ignore[misc]
+    cls, args, state, listitems, items = od.__reduce__()  # type: ignore[misc,str-unpack]
     entry = _EXTRA.get(id(od))
     ours = entry[1] if entry is not None and entry[0]() is od else ()
 
@@ -49,7 +49,7 @@ def _reduce(od: OrderedDict[Any, Any]) -> Any:
             if not isinstance(value, Dropped) and not (value is True and key in ours):
                 yield key, value
 
-    return cls, args, state, listitems, kept(items)
+    return cls, args, state, listitems, kept(items)  # type: ignore[arg-type]
 
 
 def install() -> None:

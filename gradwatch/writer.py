@@ -55,7 +55,7 @@ class Writer:
         #: why the writer thread stopped before it was closed (None while it runs, or after close)
         self.died: BaseException | None = None
         # its failure is told in the watching thread (by its guard), and by :class:`WriterDied` to a caller
-        guard = guard if guard is not None else entry.Guard(lambda exc: None)
+        guard = guard if guard is not None else entry.Guard(lambda exc, kind, args: None)
         self._thread = register.thread(guard.hook("writer", self._run), f"gradwatch-writer-{name}")
 
     @property

@@ -109,5 +109,6 @@ def test_repository_top_level_holds_only_the_projects_entries() -> None:
         pytest.skip("not a git checkout (an installed copy)")
     listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     top = {line.split("/", 1)[0] for line in listed.splitlines() if line}
-    assert top - KNOWN_TOP_LEVEL == set(), f"unexpected files at the repository's top level: {sorted(top - KNOWN_TOP_LEVEL)}"
+    unexpected = sorted(top - KNOWN_TOP_LEVEL)
+    assert unexpected == [], f"unexpected files at the repository's top level: {unexpected}"
     assert {"pyproject.toml", "README.md", "gradwatch", "integrations", "dashboards", "tests", "examples"} <= top

@@ -65,18 +65,18 @@ class LearningRate(Detector):
     gradient fell below ``CONVERGED`` (1e-2) of its first judged value -- a converged run whose
     updates are small because its gradients are -- do not count).
 
-    Too high, with a loss that stops falling: on a sampled step, the layers holding half of the
-    model's parameters (those that do not move counted too: a model whose bulk is dead does not
-    rewrite its weights) move by ``stall_median`` (0.05) or more of their weights (50x the ~1e-3 of
-    healthy runs, whatever the optimizer: Adam on a pretrained model at 5e-5 moves them by ~1e-3,
-    at 1e-3 by ~1e-2), past the run's first ``TRANSIENT`` (5) steps (Adam's first steps move every
-    weight by about lr whatever the gradients: a GPT trained from scratch at 3e-3 without warmup
-    moves them by 0.15x on its first step, and learns); layers whose weights started at zero (LoRA's ``lora_B``) have no scale of
-    their own and do not count. Large updates alone are not a fault (a small model trained from
-    scratch moves fast and learns); with them, within ``3 x confirm`` steps, the loss's level (the
-    median of its last 5 values, every step's loss counted) not below its starting level (the
-    lowest of its first 3), ``confirm`` steps or more into the run, is: the weights are being
-    rewritten and nothing is learned (a fine-tuned classifier collapsed to one class sits at ln 2).
+    Too high, with a loss that stops falling: on a sampled step, the layers holding half of the model's
+    parameters (those that do not move counted too: a model whose bulk is dead does not rewrite its
+    weights) move by ``stall_median`` (0.05) or more of their weights (50x the ~1e-3 of healthy runs,
+    whatever the optimizer: Adam on a pretrained model at 5e-5 moves them by ~1e-3, at 1e-3 by ~1e-2),
+    past the run's first ``TRANSIENT`` (5) steps (Adam's first steps move every weight by about lr
+    whatever the gradients: a GPT trained from scratch at 3e-3 without warmup moves them by 0.15x on its
+    first step, and learns); layers whose weights started at zero (LoRA's ``lora_B``) have no scale of
+    their own and do not count. Large updates alone are not a fault (a small model trained from scratch
+    moves fast and learns); with them, within ``3 x confirm`` steps, the loss's level (the median of its
+    last 5 values, every step's loss counted) not below its starting level (the lowest of its first 3),
+    ``confirm`` steps or more into the run, is: the weights are being rewritten and nothing is learned
+    (a fine-tuned classifier collapsed to one class sits at ln 2).
 
     A learning rate named too high (by this detector or by ``loss_spike``'s divergence) is an
     error once the run shows what it did, ``confirm`` steps or more after it was named: the loss's
