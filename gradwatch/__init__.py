@@ -14,6 +14,7 @@ from typing import Any as _Any
 
 from gradwatch.errors import (
     ConfigError,
+    DiskFullWarning,
     GradwatchError,
     GradwatchWarning,
     InternalWarning,
@@ -61,6 +62,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ConfigError",
+    "DiskFullWarning",
     "Finding",
     "GradwatchError",
     "GradwatchWarning",

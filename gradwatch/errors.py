@@ -40,6 +40,10 @@ class InternalWarning(GradwatchWarning):
     """gradwatch failed inside a hook and detached itself; training went on unaffected."""
 
 
+class DiskFullWarning(GradwatchWarning):
+    """The disk under a run is full: its records wait in memory for space, or some could not be kept."""
+
+
 class PluginWarning(GradwatchWarning):
     """A plugin failed while training and is disabled for the rest of the run; training went on."""
 

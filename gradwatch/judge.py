@@ -223,7 +223,9 @@ class Judge:
         where = f" [bold]{escape(f.layer)}[/bold]" if f.layer else ""
         action = f" -> {f.action}" if f.action and f.action != "warn" else ""
         head = f"[{_STYLE[f.severity]}]gradwatch {f.severity}[/] step {f.step} {f.kind}{where}"
-        self._console.print(f"{head}: {escape(f.message)}{action}")
+        unstored = self._writer.unstored()  # persist, then print: or say that it is not on disk
+        note = f" [bold](not stored: {escape(unstored)})[/bold]" if unstored else ""
+        self._console.print(f"{head}: {escape(f.message)}{action}{note}")
 
     def clip_bound(self) -> float:
         """The adaptive clipping bound: the largest global norm the run's own healthy history calls

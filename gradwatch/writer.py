@@ -6,6 +6,8 @@ import dataclasses
 import logging
 import queue
 import threading
+import warnings
+from collections import deque
 from collections.abc import Sequence
 
 from gradwatch import guard as entry
@@ -52,6 +54,8 @@ class Writer:
         self._wake = threading.Event()
         self._flush_seconds = flush_seconds
         self._failed: set[int] = set()
+        #: warnings the sinks asked for in the writer thread, given in the training thread (its filters apply)
+        self._notices: deque[tuple[type[Warning], str]] = deque()
         #: why the writer thread stopped before it was closed (None while it runs, or after close)
         self.died: BaseException | None = None
         # its failure is told in the watching thread (by its guard), and by :class:`WriterDied` to a caller
@@ -72,6 +76,16 @@ class Writer:
         self._put(record)
         if self._queue.qsize() >= self._high_water:
             self._wake.set()
+
+    def unstored(self) -> str | None:
+        """Why the findings written so far are not all in the run's store (``"disk full"``, or its store
+        sink failed), or None when they are; asked after :meth:`flush`, before a finding is printed.
+        """
+        for i, sink in enumerate(self._sinks):
+            unstored = getattr(sink, "unstored", None)
+            if callable(unstored):
+                return "the store failed" if i in self._failed else unstored()
+        return None
 
     def submit_findings(self, findings: Sequence[Finding]) -> None:
         """Queue findings (new, or written before and updated) for every sink that takes them."""
@@ -101,9 +115,18 @@ class Writer:
                 return
             if timeout is not None and waited >= timeout:
                 return
+        self._tell()
+
+    def _tell(self) -> None:
+        """Give the sinks' warnings, in the calling thread (the training thread, where the user's filters are)."""
+        while self._notices:
+            category, message = self._notices.popleft()
+            warnings.warn(message, category, stacklevel=4)
 
     def _put(self, item: object) -> None:
         """Queue an item, waiting while the queue is full, but never on a writer thread that stopped."""
+        if self._notices:
+            self._tell()
         self._check()
         try:  # the usual case: room in the queue, no timed wait
             self._queue.put_nowait(item)
@@ -131,6 +154,7 @@ class Writer:
                 continue
             self._wake.set()
             self._thread.join()
+        self._tell()
 
     def _run(self) -> None:
         try:
@@ -179,3 +203,7 @@ class Writer:
             except Exception:  # a broken sink must never take training down
                 self._failed.add(i)
                 log.exception("gradwatch: %s sink failed and is disabled for this run", type(sink).__name__)
+            finally:
+                take = getattr(sink, "take_notices", None)
+                if callable(take):
+                    self._notices.extend(take())

@@ -38,6 +38,8 @@ class Checked:
     error: str | None = None
     seconds: float = 0.0
     halted: str = ""  # where and why a halted run stopped (its verdict's ``halted``), for the text output
+    #: the steps its store lacks for good (``Run.incomplete``): reported, never a failure by itself
+    incomplete: dict[str, Any] | None = None
 
     @property
     def failing(self) -> list[gate.Item]:
@@ -50,9 +52,9 @@ class Checked:
         return "error" if self.error is not None else "fail" if self.failing else "pass"
 
     def to_json(self) -> dict[str, Any]:
-        """PRODUCT.md's object for one run (plus ``status``, ``fail_on`` and ``error``)."""
+        """PRODUCT.md's object for one run (plus ``status``, ``incomplete``, ``fail_on`` and ``error``)."""
         out: dict[str, Any] = {"run": self.run, "verdict": self.verdict, "steps": self.steps,
-                               "status": self.status, "fail_on": self.fail_on,
+                               "status": self.status, "incomplete": self.incomplete, "fail_on": self.fail_on,
                                "findings": [f.to_json() for f in self.findings]}
         if self.error is not None:
             out["error"] = self.error
@@ -68,7 +70,7 @@ def judge_run(path: str, fail_on: str, rules: Path | None) -> Checked:
         return checked
     try:
         with open_run(path) as run:
-            checked.steps, checked.status = run.steps, run.status
+            checked.steps, checked.status, checked.incomplete = run.steps, run.status, run.incomplete
             halted = verdict.halted(run.path) if checked.status == "halted" else None
             checked.halted = f" at step {halted.get('step')}: {halted['reason']}" if halted else ""
             checked.findings = gate.items(_findings(run, rules))
@@ -119,7 +121,7 @@ def render_text(results: list[Checked], file: Any) -> None:
             console.print(f"[bold]{escape(res.run)}[/bold]: [red]cannot be read[/red]: {escape(res.error)}")
             continue
         shown = [f for f in res.findings if f.severity != "info" or res.fail_on == "info"]
-        title = f"{res.run}: {res.steps} steps, {res.status}{res.halted}"
+        title = f"{res.run}: {res.steps} steps, {res.status}{res.halted}{_incomplete(res)}"
         if shown:
             table = Table(title=escape(title), title_justify="left")
             for col in ("step", "severity", "kind", "layer", "action", "message"):
@@ -139,6 +141,12 @@ def render_text(results: list[Checked], file: Any) -> None:
             console.print(f"[bold red]FAIL[/]: {n} finding{plural} at or above {res.fail_on} in {escape(res.run)}")
         else:
             console.print(f"[bold green]PASS[/]: no finding at or above {res.fail_on} in {escape(res.run)}")
+
+
+def _incomplete(res: Checked) -> str:
+    """``, incomplete: N steps missing (disk full)`` for a run whose store lacks steps, else nothing."""
+    gap = res.incomplete
+    return "" if gap is None else f", incomplete: {gap['missing_steps']} steps missing ({gap['reason']})"
 
 
 def render_json(results: list[Checked]) -> str:
@@ -216,6 +224,9 @@ def render_github(results: list[Checked]) -> str:
             body = f"{res.run}: {f.message}" + (f" [action: {f.action}]" if f.action else "")
             body += f"\nTry: {f.hint}." if f.hint else ""
             lines.append(f"::{level} title={_escape_property(title)}::{_escape_data(body)}")
+        if res.incomplete is not None:
+            lines.append(f"::warning title={_escape_property(f'gradwatch: {res.run} is incomplete')}"
+                         f"::{_escape_data(f'{res.run}: {res.steps} steps{_incomplete(res)}')}")
         outcome, n = "FAIL" if res.failing else "PASS", len(res.failing)
         lines.append(f"{outcome}: {res.run}: {n} finding{'s' * (n != 1)} at or above {res.fail_on}")
     return "\n".join(lines) + "\n"
@@ -236,6 +247,7 @@ def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, ru
     """Judge recorded runs (a folder: every run under it).
 
     Exit 0 when none has a finding at or above --fail-on, else 1 (2: a run that cannot be read).
+    A run whose store lacks steps (the disk was full) is reported as incomplete; that alone does not fail it.
     """
     if rules is not None:
         from gradwatch.rejudge import validate

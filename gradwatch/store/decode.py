@@ -95,6 +95,19 @@ def meta(db: Path, rows: Sequence[tuple[Any, Any]]) -> dict[str, Any]:
     return out
 
 
+def incomplete(db: Path, value: Any) -> dict[str, Any] | None:
+    """The run's ``incomplete`` metadata (``reason``, ``missing_steps``, ``steps`` ranges), checked; None if absent."""
+    if value is None:
+        return None
+    ok = (isinstance(value, dict) and isinstance(value.get("reason"), str)
+          and isinstance(value.get("missing_steps"), int) and isinstance(value.get("steps"), list)
+          and all(isinstance(r, list) and len(r) == 2 and all(type(s) is int and s >= 0 for s in r) and r[0] <= r[1]
+                  for r in value["steps"]))
+    if not ok:
+        raise damaged(db, f"metadata 'incomplete' holds {_short(value)}, not the steps a run lacks")
+    return value
+
+
 def integer(db: Path, what: str, value: Any) -> int:
     """A whole number >= 0 the writer stored: a step, a size, a version.
 

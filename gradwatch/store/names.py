@@ -73,3 +73,14 @@ def scope_of(scope: str) -> str:
     if scope not in (LAYER, PARAM):
         raise ValueError(f"unknown scope {scope!r}; valid scopes are: {LAYER!r}, {PARAM!r}")
     return scope
+
+
+def owner_name(param: str, layers: dict[str, int]) -> str | None:
+    """The layer whose module path prefixes a parameter's name (the root layer otherwise)."""
+    parts = param.split(".")[:-1]
+    while parts:
+        name = ".".join(parts)
+        if name in layers:
+            return name
+        parts.pop()
+    return "(root)" if "(root)" in layers else None

@@ -17,6 +17,7 @@ from gradwatch.errors import RunError, SchemaError
 from gradwatch.records import LAYER, PARAM, Layout, StepRecord
 from gradwatch.store import decode
 from gradwatch.store.lock import writer_alive
+from gradwatch.store.names import owner_name
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION
 from gradwatch.store.series import Series, where_clause
 
@@ -142,6 +143,13 @@ class Run(Series):
         """How many optimizer steps the run recorded."""
         return int(self._query("SELECT COUNT(*) FROM steps")[0][0])
 
+    @property
+    def incomplete(self) -> dict[str, Any] | None:
+        """The steps the store lacks for good (a full disk): ``reason``, ``missing_steps`` and ``steps``
+        (inclusive ``[first, last]`` ranges); None when it holds every step (docs/reading.md).
+        """
+        return decode.incomplete(self._db, self.meta.get("incomplete"))
+
     def progress(self) -> dict[str, Any]:
         """A cheap marker of how far the run has got, for live viewers (a few index lookups).
 
@@ -236,7 +244,7 @@ class Run(Series):
         else:
             position = {n: i for i, n in enumerate(names)}
             owners = tuple((position[owner], j) for j, r in enumerate(params)
-                           if (owner := _owner_name(r[1], position)) is not None)
+                           if (owner := owner_name(r[1], position)) is not None)
             saturating, trainable = (), (True,) * len(params)
         return Layout(
             version=version,
@@ -305,17 +313,6 @@ class Run(Series):
         frame["data"] = pd.Series([r[-1] for r in rows], dtype=object)  # decoded and checked above
         frame["step"] = frame["step"].astype("int64")
         return frame
-
-
-def _owner_name(param: str, layers: dict[str, int]) -> str | None:
-    """The layer whose module path prefixes a parameter's name (the root layer otherwise)."""
-    parts = param.split(".")[:-1]
-    while parts:
-        name = ".".join(parts)
-        if name in layers:
-            return name
-        parts.pop()
-    return "(root)" if "(root)" in layers else None
 
 
 def _looks_like_sqlite(path: Path) -> bool:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -138,12 +140,14 @@ class StoreWriter:
         steps: list[tuple[Any, ...]] = []
         scalars: list[tuple[Any, ...]] = []
         vectors: list[tuple[Any, ...]] = []
+        layouts: set[int] = set()  # written in this transaction: known once it commits
         conn = self._conn
         conn.execute("BEGIN")
         try:
             for rec in records:
-                if rec.layout.version not in self._layouts:
+                if rec.layout.version not in self._layouts | layouts:
                     self._write_layout(rec.layout, rec.step)
+                    layouts.add(rec.layout.version)
                 steps.append((rec.step, rec.time, rec.layout.version, rec.logged, rec.sampled, rec.skipped))
                 scalars.extend((k, rec.step, _real(v)) for k, v in rec.scalars.items())
                 if rec.logged:
@@ -157,8 +161,9 @@ class StoreWriter:
             conn.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?, ?, ?, ?, ?, ?)", vectors)
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            rollback(conn)
             raise
+        self._layouts |= layouts
 
     def write_findings(self, findings: Iterable[Finding]) -> None:
         """Insert (or replace, by id) findings in one transaction."""
@@ -167,7 +172,7 @@ class StoreWriter:
              finding_json(f.data), time.time())
             for f in findings
         ]
-        with self._conn:
+        with transaction(self._conn):
             self._conn.executemany("INSERT OR REPLACE INTO findings VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
     def _write_layout(self, layout: Layout, step: int) -> None:
@@ -184,35 +189,83 @@ class StoreWriter:
         self._conn.execute("INSERT OR IGNORE INTO layouts VALUES (?, ?)", (layout.version, step))
         self._conn.execute("INSERT OR REPLACE INTO layout_info VALUES (?, ?)", (layout.version, json.dumps(extra)))
         self._conn.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
-        self._layouts.add(layout.version)
+
+    def stored_steps(self, ranges: Iterable[tuple[int, int]]) -> set[int]:
+        """The steps of these inclusive ranges that the store holds."""
+        found: set[int] = set()
+        for lo, hi in ranges:
+            found.update(r[0] for r in self._conn.execute("SELECT step FROM steps WHERE step BETWEEN ? AND ?",
+                                                          (lo, hi)))
+        return found
 
     def set_meta(self, **values: Any) -> None:
         """Update run metadata (status, finish time ...)."""
-        with self._conn:
+        with transaction(self._conn):
             self._conn.executemany(
                 "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                 [(k, json.dumps(v)) for k, v in values.items()],
             )
 
-    def close(self, status: str) -> None:
-        """Record the final status and, when no reader holds the store open, leave a single file.
+    def close(self, status: str, **meta: Any) -> None:
+        """Record the final status (and ``meta``) and, when no reader holds the store open, leave a single file.
 
         Never waits for readers: a reader's open transaction leaves the store in WAL mode (which
-        readers handle too) instead of stalling the training process's exit.
+        readers handle too) instead of stalling the training process's exit. The connection and
+        the run's lock are released also when the status cannot be written (a full disk), whose
+        error is raised.
         """
         try:
-            self.set_meta(status=status, finished=time.time())
+            self.set_meta(status=status, finished=time.time(), **meta)
             try:
                 self._conn.execute("PRAGMA busy_timeout=0")  # from here on, a busy store is left as it is
                 busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                 if busy == 0 and frames == copied:
                     self._conn.execute("PRAGMA journal_mode=DELETE")
             except sqlite3.OperationalError:
-                pass  # a reader holds the WAL open
-            self._conn.close()
+                pass  # a reader holds the WAL open, or no room to copy it into the store
         finally:
-            if self._lock is not None:
-                self._lock.release()
+            try:
+                self._conn.close()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+
+
+@contextlib.contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """One explicit transaction (the connection is in autocommit mode): committed, or rolled back on error."""
+    conn.execute("BEGIN")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        rollback(conn)
+        raise
+
+
+def rollback(conn: sqlite3.Connection) -> None:
+    """End a failed transaction, if SQLite has not ended it already (it rolls back on its own after
+    some errors, SQLITE_FULL among them: a ROLLBACK then fails with "no transaction is active").
+    """
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:  # the transaction's own error is the one that matters
+            pass
+
+
+#: SQLite's primary result code for a full disk (``sqlite3.SQLITE_FULL``, which typeshed lacks)
+_SQLITE_FULL = 13
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether an error says the disk (or the user's quota) under the store is full."""
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return code & 0xFF == _SQLITE_FULL
+        return "disk is full" in str(exc)
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def finding_json(data: Mapping[str, Any]) -> str:
