@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradwatch import guard as entry
 from gradwatch import register, snapshots
+from gradwatch.buffers import Buffers
 from gradwatch.errors import RunError, TrainingHalted
 from gradwatch.findings import Finding
 
@@ -86,6 +87,8 @@ class LoopControl:
         self._tracked: list[weakref.ref[Any]] = []
         self._last_restored: int | None = None
         self._found: tuple[tuple[int, ...], list[weakref.ref[Any]], list[weakref.ref[Any]]] | None = None
+        #: the model's buffers before the step's forward calls: put back when the step is not applied
+        self.buffers = Buffers()
 
     # ---------------------------------------------------------- bookkeeping
     def begin(self, step: int, grads: list[torch.Tensor], total: float) -> None:
@@ -154,20 +157,22 @@ class LoopControl:
         if max_consecutive and self.consecutive_skips > max_consecutive:
             self.halt(None, f"{max_consecutive} steps in a row had to be skipped")
         self.skipping = True
-        return {"skipped": True, "consecutive": self.consecutive_skips}
+        return {"skipped": True, "consecutive": self.consecutive_skips, **self.buffers.restore(self.step)}
 
     def rollback(self, skip_batches: int, lr_scale: float, max_rollbacks: int) -> dict[str, Any]:
         """Restore the last known-good snapshot and skip this step."""
         store = self._watcher.snapshots
         if store is None or not store.items:
             self.skipping = True
-            return {"rolled_back": False, "reason": "no snapshot yet; the step was skipped instead"}
+            return {"rolled_back": False, "reason": "no snapshot yet; the step was skipped instead",
+                    **self.buffers.restore(self.step)}
         if self.rollbacks >= max_rollbacks:
             self.halt(None, f"training needed more than {max_rollbacks} rollbacks")
         candidates = [s for s in store.items if s.step <= self.step]
         if len(candidates) > 1 and candidates[-1].step == self._last_restored:
             candidates.pop()  # the trouble came back before a newer snapshot: go further back
         problems = []
+        self.buffers.restore(self.step)  # the step's forward calls undone; a snapshot's buffers then replace them
         for snap in reversed(candidates):
             try:
                 saved = store.load(snap)
@@ -221,6 +226,7 @@ class LoopControl:
         step = finding.step if finding is not None else self.step
         what = reason or (finding.message if finding is not None else "a rule halted training")
         message = f"gradwatch halted training at step {step}: {what} (run: {self._watcher.run_dir})"
+        self.buffers.restore(self.step)  # the model as it was before the step, buffers included
         self._watcher.halted(step, what)
         raise TrainingHalted(message, step=step, finding=finding)
 

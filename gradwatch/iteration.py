@@ -18,6 +18,7 @@ from torch import nn
 
 from gradwatch import guard as entry
 from gradwatch import preclip, register
+from gradwatch.buffers import Buffers
 from gradwatch.layout import Discovered
 from gradwatch.observed import Observed, merge
 from gradwatch.options import Options
@@ -62,12 +63,15 @@ class Iteration:
         steps: the lifecycle these iterations belong to.
         on_step_pre, on_step_post: the lifecycle's optimizer step hooks.
         guard: the watcher's guard, through which every hook runs.
+        buffers: the copies of the model's buffers, taken at the first forward call of each step.
     """
 
     def __init__(self, model: nn.Module, found: Discovered, options: Options, tracker: Tracker | None,
                  steps: Steps, *, on_step_pre: Callable[..., Any], on_step_post: Callable[..., Any],
-                 guard: entry.Guard) -> None:
+                 guard: entry.Guard, buffers: Buffers) -> None:
         self._steps, self._options, self._tracker = steps, options, tracker
+        self.buffers = buffers
+        buffers.watch(model)
         # the end of a backward pass, after what it queued itself (DDP's gradient reduction): made once
         self._ended = guard.hook("backward_end", self.backward_ended)
         self._ending = guard.hook("backward_end", lambda: register.backward_end(self._ended))
@@ -110,6 +114,7 @@ class Iteration:
     def relayout(self, found: Discovered) -> None:
         """A new layout: the sentinel moves to its first trainable parameter."""
         self.found = found
+        self.buffers.watch()
         self.probe.quiet = False
         self.sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
         self.probe.watch_backward(found.params[self.sentinel])
@@ -136,6 +141,8 @@ class Iteration:
         self.began, self.forwarded = False, True
         if steps.has_open_step():
             steps.close_step()
+        if self.buffers.step != steps.step:  # the step's first forward call: its buffers as they are now
+            self.buffers.save(steps.step)
         if self.backward is not None and self.carry is None:
             self.carry = (self.observed, self.probe.take_activations())
             self.observed = {}
@@ -250,6 +257,7 @@ class Iteration:
 
     def close(self) -> None:
         """The run closes: a last iteration whose gradients were dropped is recorded as a step."""
+        self.buffers.clear()
         if self.backward is not None and not self.served and self.gradients_dropped():
             carry, self.carry = self.carry, None
             self._steps.dropped(carry[0] if carry else self.observed, ongoing=False)

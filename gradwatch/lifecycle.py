@@ -88,7 +88,7 @@ class Lifecycle(Recording):
         self.manual = False  # the loop updates the parameters by hand (see ``Recording.dropped``)
         # last: the probe's hooks are live from here on
         self.it = Iteration(model, found, options, tracker, self, on_step_pre=self.step_pre,
-                            on_step_post=self.step_post, guard=guard)
+                            on_step_post=self.step_post, guard=guard, buffers=control.buffers)
 
     # --------------------------------------------------------- the step moment
     def step_pre(self, opt: torch.optim.Optimizer, args: tuple[Any, ...] = (),

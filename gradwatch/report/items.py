@@ -86,7 +86,10 @@ def _outcome(action: str | None, outcome: Any) -> tuple[str | None, int | None]:
     elif action == "clip":
         text = f"no clipping needed (norm already below {fmt(outcome.get('max_norm'))})"
     elif action == "skip" or outcome.get("skipped"):
-        text = "the step was skipped: weights and optimizer state unchanged"
+        kept = "weights, buffers" if "buffers_restored" in outcome else "weights"
+        text = f"the step was skipped: {kept} and optimizer state unchanged"
+        if outcome.get("buffers_changed"):
+            text += f" (but not buffer {', '.join(map(str, outcome['buffers_changed'][:8]))}: first changed here)"
         if (outcome.get("consecutive") or 1) > 1:
             text += f" ({outcome['consecutive']} in a row)"
     elif action == "rollback" and outcome.get("rolled_back"):
