@@ -9,6 +9,7 @@ a connection of the store that reports SQLITE_FULL for a window of steps, which 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -217,8 +218,29 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+def _event_steps(path: Path) -> list[int]:
+    """The steps of a TensorBoard event file's events, every record's framing and checksums verified."""
+    import struct
+
+    from tensorboard.compat.proto import event_pb2
+
+    from gradwatch.sinks.tensorboard import _masked_crc
+
+    data, at, steps = path.read_bytes(), 0, []
+    while at < len(data):
+        header = data[at:at + 8]
+        assert len(header) == 8 and data[at + 8:at + 12] == _masked_crc(header), f"torn record at byte {at}"
+        (n,) = struct.unpack("<Q", header)
+        body = data[at + 12:at + 12 + n]
+        assert len(body) == n and data[at + 12 + n:at + 16 + n] == _masked_crc(body), f"torn record at byte {at}"
+        steps.append(event_pb2.Event.FromString(body).step)
+        at += 16 + n
+    return steps
+
+
 @pytest.mark.slow
-def test_a_real_filesystem_filling_up_and_freed(small_disk: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_real_filesystem_filling_up_and_freed(small_disk: Path, capsys: pytest.CaptureFixture[str],
+                                                caplog: pytest.LogCaptureFixture) -> None:
     run, filler = small_disk / "run", small_disk / "filler"
 
     def at_step(step: int) -> None:
@@ -241,3 +263,8 @@ def test_a_real_filesystem_filling_up_and_freed(small_disk: Path, capsys: pytest
         assert {(s, k) for s, k, _ in printed} <= stored
     code, out, _ = _check_json(run)
     assert code == 0 and out["status"] == "finished" and out["incomplete"] is None and out["steps"] == STEPS
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a sink failed (a traceback logged)"
+    # TensorBoard skipped the events it had no room for, its file whole, and went on once space returned
+    (events,) = run.glob("events.out.tfevents.*")
+    tb_steps = set(_event_steps(events))
+    assert set(range(210, STEPS)) <= tb_steps and set(range(20)) <= tb_steps

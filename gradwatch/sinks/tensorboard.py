@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import socket
 import struct
@@ -31,7 +32,9 @@ import numpy as np
 
 from gradwatch.findings import Finding
 from gradwatch.records import LAYER, StepRecord, present
+from gradwatch.store.writer import disk_full
 
+log = logging.getLogger("gradwatch")
 _counter = itertools.count()
 
 
@@ -49,6 +52,7 @@ class EventFile:
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_counter)}"
         self.path = logdir / name
         self._file = self.path.open("ab")
+        self._kept = 0  # bytes of whole events on disk (as of the last flush)
         self.write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def write(self, event: object) -> None:
@@ -63,6 +67,17 @@ class EventFile:
     def flush(self) -> None:
         """Make what was written visible to readers."""
         self._file.flush()
+        self._kept = self._file.tell()
+
+    def rewind(self) -> None:
+        """Drop what was written since the last flush (a full disk cut it short): the file ends on a whole event."""
+        try:
+            self._file.close()  # what it still buffers cannot be written either
+        except OSError:
+            pass
+        self._file = self.path.open("ab")
+        self._file.truncate(self._kept)
+        self._file.seek(self._kept)
 
     def close(self) -> None:
         """Flush and close the file."""
@@ -156,12 +171,31 @@ class TensorBoard:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._file = EventFile(run_dir)
         self._file.write(self._event(wall_time=time.time(), step=0, summary=custom_scalars()))
+        self._file.flush()
+        self._run = run_dir
+        self._full = False
         self._tags: dict[tuple[int, str], _Series] = {}
         self._globals: dict[str, bytes] = {}
         self._findings: set[int | None] = set()
 
     def write(self, records: Sequence[StepRecord]) -> None:
-        """Write one event per record holding all of its values, then flush."""
+        """Write one event per record holding all of its values, then flush (skipped while the disk is full)."""
+        try:
+            self._write(records)
+        except OSError as exc:
+            self._skipped(exc)
+
+    def _skipped(self, exc: OSError) -> None:
+        """A full disk: the events of this batch are skipped (the run store holds its records), the file kept whole."""
+        if not disk_full(exc):
+            raise exc
+        self._file.rewind()
+        if not self._full:
+            self._full = True
+            log.warning("gradwatch: the disk under %s is full (%s): TensorBoard events are skipped until space "
+                        "returns; the run store keeps the records", self._run, exc.strerror or exc)
+
+    def _write(self, records: Sequence[StepRecord]) -> None:
         pack = struct.Struct("<f").pack
         for rec in records:
             parts = [] if rec.flight else [self._global(k) + pack(v) for k, v in rec.scalars.items()]
@@ -178,6 +212,7 @@ class TensorBoard:
                         parts.append(self._series(rec, metric).encode(vec, shown))
             self._file.write_bytes(_event(rec.time, rec.step, b"".join(parts)))
         self._file.flush()
+        self._full = False
 
     def _global(self, name: str) -> bytes:
         prefix = self._globals.get(name)
@@ -189,15 +224,18 @@ class TensorBoard:
         """Findings as text (tag ``findings``), new ones only (updated repeat counts are not)."""
         from tensorboard.plugins.text.summary_v2 import text_pb
 
-        for f in findings:
-            if f.id in self._findings:
-                continue  # written before; this is an update of its count or outcome
-            self._findings.add(f.id)
-            where = f" `{f.layer}`" if f.layer else ""
-            action = f" → **{f.action}**" if f.action else ""
-            text = f"**{f.severity}** `{f.kind}`{where}: {f.message}{action}"
-            self._file.write(self._event(wall_time=time.time(), step=f.step, summary=text_pb("findings", text)))
-        self._file.flush()
+        fresh = [f for f in findings if f.id not in self._findings]  # others: updates of a count or outcome
+        try:
+            for f in fresh:
+                where = f" `{f.layer}`" if f.layer else ""
+                action = f" → **{f.action}**" if f.action else ""
+                text = f"**{f.severity}** `{f.kind}`{where}: {f.message}{action}"
+                self._file.write(self._event(wall_time=time.time(), step=f.step, summary=text_pb("findings", text)))
+            self._file.flush()
+        except OSError as exc:
+            self._skipped(exc)
+            return
+        self._findings.update(f.id for f in fresh)
 
     def _series(self, rec: StepRecord, metric: str) -> _Series:
         key = (rec.layout.version, metric)
