@@ -266,10 +266,12 @@ def summary(run: Run, run_id: str) -> dict[str, Any]:
         "name": run.path.name if run_id == "." else run_id,
         "model": meta.get("model"),
         "status": status,
+        "status_detail": verdict.describe(ended := run.ended),
         "state": state,
         "counts": counts,
         "headline": report_summary.headline(state, status, counts, listed, progress["steps"], live=True,
-                                            halted=verdict.halted(run.path) if status == "halted" else None),
+                                            halted=verdict.halted(run.path) if status == "halted" else None,
+                                            ended=ended),
         "facts": [[k, v] for k, v in report_summary.facts(run, meta, status, steps_info, scalars)],
         "layers": [{"name": n, "type": t, "params": int(p)}
                    for n, t, p in zip(info["layer"], info["type"], info["params"])],

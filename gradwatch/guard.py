@@ -56,6 +56,8 @@ KINDS = {
     "pytest_fixture": "the gw_watch pytest fixture's global forward hooks (finding the models a test trains)",
     "atexit": "closing the runs at interpreter exit",
     "excepthook": "noting an uncaught exception (the runs close as crashed)",
+    "signal": "a signal that ends the process (SIGTERM): the runs close as terminated",
+    "exit": "a call of sys.exit: its code is noted for the runs closed at exit",
 }
 
 

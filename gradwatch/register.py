@@ -118,6 +118,63 @@ def excepthook(hook: Hook) -> None:
     sys.excepthook = chained
 
 
+def on_signal(signum: int, hook: Hook) -> bool:
+    """Have signal ``signum`` call ``hook(signum, frame, dying)`` first, then do what it did before: call the
+    handler installed before (chained), or take the signal's default action again (``dying``: the process
+    ends by the signal, as it would have without gradwatch, so its exit status is the signal's).
+
+    A handler installed later that calls this one as the handler before it decides on its own: this one
+    then only calls ``hook`` (not dying). A process forked from this one (a DataLoader worker) gets the
+    handler before, never ``hook``. Nothing is installed outside the main thread, over an ignored
+    signal, or over a handler not set from Python.
+
+    Returns:
+        whether the handler was installed.
+    """
+    import os
+    import signal
+
+    note = _checked(hook)
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.getsignal(signum)
+    if previous is None or previous == signal.SIG_IGN or getattr(previous, "gradwatch", False):
+        return False
+    pid = os.getpid()
+
+    def handler(number: int, frame: Any) -> None:
+        on_top = signal.getsignal(number) is handler
+        if os.getpid() == pid:
+            note(number, frame, on_top and not callable(previous))
+        if callable(previous):
+            previous(number, frame)
+        elif on_top:
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+
+    handler.gradwatch = True  # type: ignore[attr-defined]
+    signal.signal(signum, handler)
+    return True
+
+
+def exit_calls(hook: Hook) -> None:
+    """Have ``hook(status)`` note every call of ``sys.exit(status)`` before it raises (the exit code is
+    not given to ``atexit``). A ``from sys import exit`` made before, ``raise SystemExit`` and the
+    ``exit()`` builtin are not seen.
+    """
+    import sys
+
+    previous = sys.exit
+    note = _checked(hook)
+
+    def exit(status: object = None, /) -> None:
+        note(status)
+        previous(status)
+
+    exit.__doc__ = previous.__doc__
+    sys.exit = exit  # type: ignore[assignment]
+
+
 # ------------------------------------------------ the optimizer step hooks
 class _Dispatch:
     """gradwatch's one pair of global optimizer step hooks, calling each watcher's in turn."""

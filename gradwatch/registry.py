@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from gradwatch import ending, register
 from gradwatch import guard as entry
-from gradwatch import register
 from gradwatch.config import Config, resolve
 from gradwatch.errors import ConfigError, GradwatchWarning, InternalWarning
 from gradwatch.layout import unwrap
@@ -23,7 +23,6 @@ M = TypeVar("M")
 
 _watchers: weakref.WeakKeyDictionary[nn.Module, Watcher] = weakref.WeakKeyDictionary()
 _live: set[Watcher] = set()
-_crashed = False
 _installed = False
 
 
@@ -97,6 +96,7 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
     _live.add(watcher_)
     weakref.finalize(model, watcher_.close)  # a model dropped while watched closes its run
     _install_exit_handlers()
+    _install_signal_handlers()
     return model
 
 
@@ -225,9 +225,29 @@ def flush_run(run_dir: Path) -> bool:
     return False
 
 
+def _steps() -> dict[int, int]:
+    return {id(w): w.step for w in _live}
+
+
 def _close_all() -> None:
+    """Close the runs still open as the interpreter exits: as terminated, exited, crashed or finished."""
+    status, detail = ending.outcome(_steps(), at_exit=True)
     for w in list(_live):
-        w.guard.run("atexit", w.close, "crashed" if _crashed else None)
+        w.guard.run("atexit", w.close, status, detail)
+
+
+def _signalled(signum: int, frame: Any, dying: bool) -> None:
+    """A signal that ends the process arrived: the runs close as terminated; when its default action
+    follows, they close now (in a thread of its own: the training thread may be stopped inside
+    gradwatch holding a lock that closing takes; waited for :data:`ending.CLOSE_SECONDS` at most).
+    """
+    ending.NOW.signal = signum
+    if dying and _live:
+        register.thread(_PROCESS.hook("signal", _close_all), "gradwatch-terminated").join(ending.CLOSE_SECONDS)
+
+
+def _exiting(status: Any) -> None:
+    ending.exiting(status, _steps())
 
 
 def _failed(exc: BaseException, kind: str, args: tuple[Any, ...]) -> None:
@@ -243,8 +263,7 @@ _PROCESS = entry.Guard(_failed)
 
 
 def _crashing(kind: type[BaseException], value: BaseException, tb: object) -> None:
-    global _crashed
-    _crashed = True
+    ending.raised(kind, value)
 
 
 def _install_exit_handlers() -> None:
@@ -254,3 +273,12 @@ def _install_exit_handlers() -> None:
     _installed = True
     register.at_exit(_PROCESS.hook("atexit", _close_all))
     register.excepthook(_PROCESS.hook("excepthook", _crashing))
+    register.exit_calls(_PROCESS.hook("exit", _exiting))
+
+
+def _install_signal_handlers() -> None:
+    """At each ``watch``: handle SIGTERM in front of the handler there now (chained to it), unless it is ours
+    already, ignored, or this is not the main thread (where only signal handlers can be set).
+    """
+    for signum in ending.SIGNALS:
+        register.on_signal(signum, _PROCESS.hook("signal", _signalled))

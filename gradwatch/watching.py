@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch import observed, origin, startup, verdict
+from gradwatch import ending, observed, origin, startup, verdict
 from gradwatch.config import Config
 from gradwatch.control import LoopControl
 from gradwatch.errors import GradwatchError, GroupLeft, InternalWarning, TrainingHalted
@@ -260,15 +260,15 @@ class Watcher:
         self._steps.halt()
         self.close("halted")
 
-    def close(self, status: str | None = None) -> None:
-        """Write what is pending, detach every hook, and close the run (idempotent).
-
-        Never raises for a failure of gradwatch's own: the run keeps what was written, closed as crashed.
+    def close(self, status: str | None = None, detail: dict[str, Any] | None = None) -> None:
+        """Write what is pending, detach every hook, and close the run as ``status`` (None: finished, or
+        terminated after a SIGTERM), ``detail`` in its verdict (idempotent; never raises for a failure of
+        gradwatch's own: the run keeps what was written, closed as crashed).
         """
         if self._steps.closed:
             return
-        self._steps.closed = True
-        failed = False
+        status, detail = (status, detail) if status is not None else ending.outcome({}, at_exit=False)
+        self._steps.closed, failed = True, False
         try:
             self._steps.finish()
             self.judge.close()
@@ -279,18 +279,18 @@ class Watcher:
             self._steps.it.probe.detach()
             final = status or ("crashed" if failed else self._status)
             self._writer.close(final)
-            self._write_verdict(final)
+            self._write_verdict(final, detail if final == status else None)
             if self._on_close is not None:
                 self._on_close(self)
 
-    def _write_verdict(self, status: str) -> None:
+    def _write_verdict(self, status: str, detail: dict[str, Any] | None = None) -> None:
         if not self.writes:
             return
         summary = self.judge.summary()
         try:
             verdict.write(self.run_dir, {"status": status, "steps": self.step, "worst": summary["worst"],
                                          "findings": summary["counts"], "halted": self._halt,
-                                         "rollbacks": self.control.rollbacks})
+                                         "rollbacks": self.control.rollbacks, **(detail or {})})
         except GradwatchError as exc:  # the run itself is intact in the store
             log.error("gradwatch: could not write the verdict of %s: %s", self.run_dir, exc)
 
@@ -298,7 +298,7 @@ class Watcher:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        self.close("crashed" if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt) else None)
+        self.close(*ending.of_block(exc_type, exc))
 
     def __repr__(self) -> str:
         return f"Watcher(run={str(self.run_dir)!r}, step={self.step}, closed={self.closed})"

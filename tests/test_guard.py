@@ -60,8 +60,8 @@ def _registrations(path: Path) -> list[str]:
                 found.append(f"Hook(...) made outside the guard (line {node.lineno})")
         if isinstance(node, ast.Assign):
             for target in node.targets:
-                if isinstance(target, ast.Attribute) and target.attr == "excepthook":
-                    found.append(f"excepthook assigned (line {node.lineno})")
+                if isinstance(target, ast.Attribute) and target.attr in ("excepthook", "exit"):
+                    found.append(f"{target.attr} assigned (line {node.lineno})")
     return found
 
 
@@ -69,8 +69,8 @@ def test_the_checker_sees_each_way_of_registering(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("import atexit, sys, threading\nm.register_forward_hook(f)\nt.register_hook(f)\n"
                       "engine.queue_callback(f)\nthreading.Thread(target=f)\natexit.register(f)\n"
-                      "sys.excepthook = f\nHook(g, 'forward', f)\n")
-    assert len(_registrations(sample)) == 7
+                      "sys.excepthook = f\nHook(g, 'forward', f)\nsignal.signal(signal.SIGTERM, f)\nsys.exit = f\n")
+    assert len(_registrations(sample)) == 9
 
 
 @pytest.mark.parametrize("path", [p for p in SOURCES if str(p.relative_to(ROOT)) not in ALLOWED],

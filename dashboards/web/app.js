@@ -166,7 +166,7 @@
           el("td", {}, box),
           el("td", { class: "name" }, el("a", { href: `/run?run=${encodeURIComponent(row.id)}`, text: row.run })),
           el("td", { class: "num steps", text: row.steps === null ? "—" : fmt(row.steps) }),
-          el("td", {}, el("span", { class: `status status-${row.status}`, text: row.status })),
+          el("td", {}, el("span", { class: `status status-${row.status}`, text: row.status_detail || row.status })),
           el("td", { class: `verdict-${row.error ? "error" : row.worst || "clean"}`, text: verdict }),
           el("td", { class: "num", text: counts.error ?? "—" }),
           el("td", { class: "num", text: counts.warning ?? "—" }),
@@ -198,7 +198,7 @@
       const banner = $("banner");
       banner.className = `banner state-${s.state}`;
       $("headline").textContent = s.headline;
-      $("status").textContent = s.status;
+      $("status").textContent = s.status_detail || s.status;
       $("steps").textContent = fmt(s.steps);
       for (const sev of ["error", "warning"]) {
         $(`n-${sev}`).textContent = fmt(s.counts[sev]);

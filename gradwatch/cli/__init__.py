@@ -22,7 +22,7 @@ COMMANDS = {
     "dashboard": "gradwatch.cli.dashboard",
     "demo": "gradwatch.cli.demo",
     "doctor": "gradwatch.cli.doctor",
-    "ls": "gradwatch.cli.check",
+    "ls": "gradwatch.cli.ls",
     "report": "gradwatch.cli.report",
 }
 

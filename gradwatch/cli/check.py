@@ -1,4 +1,4 @@
-"""CLI ``gradwatch check`` (the CI gate) and ``gradwatch ls`` (the runs under a folder)."""
+"""CLI ``gradwatch check``: the CI gate."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from gradwatch.cli import USAGE_ERROR, cli
 from gradwatch.errors import GradwatchError
 from gradwatch.files import write_text_atomic
 from gradwatch.findings import KINDS, rank
-from gradwatch.store.listing import describe_run, find_runs
+from gradwatch.store.listing import find_runs
 from gradwatch.store.reader import Run, open_run
 from gradwatch.store.schema import DB_NAME
 
@@ -40,6 +40,8 @@ class Checked:
     halted: str = ""  # where and why a halted run stopped (its verdict's ``halted``), for the text output
     #: the steps its store lacks for good (``Run.incomplete``): reported, never a failure by itself
     incomplete: dict[str, Any] | None = None
+    ended: dict[str, Any] = field(default_factory=dict)  # how it ended (``Run.ended``)
+    accept: tuple[str, ...] = ()  # the statuses of runs that did not finish that pass (``--accept``)
 
     @property
     def failing(self) -> list[gate.Item]:
@@ -47,30 +49,44 @@ class Checked:
         return [f for f in self.findings if rank(f.severity) >= rank(self.fail_on)]
 
     @property
+    def unfinished(self) -> bool:
+        """The run did not finish (terminated, exited, crashed, still running), and that is not accepted."""
+        return self.error is None and self.status in verdict.UNFINISHED and self.status not in self.accept
+
+    @property
     def verdict(self) -> str:
-        """``pass``, ``fail``, or ``error`` (unreadable)."""
-        return "error" if self.error is not None else "fail" if self.failing else "pass"
+        """``pass``, ``fail``, ``unfinished`` (no failing finding, but the run did not finish), or ``error``."""
+        return ("error" if self.error is not None else "fail" if self.failing else
+                "unfinished" if self.unfinished else "pass")
+
+    @property
+    def how(self) -> str:
+        """The run's status for people: ``terminated (signal 15, SIGTERM)`` ..."""
+        return verdict.describe(self.ended or {"status": self.status})
 
     def to_json(self) -> dict[str, Any]:
         """PRODUCT.md's object for one run (plus ``status``, ``incomplete``, ``fail_on`` and ``error``)."""
         out: dict[str, Any] = {"run": self.run, "verdict": self.verdict, "steps": self.steps,
                                "status": self.status, "incomplete": self.incomplete, "fail_on": self.fail_on,
                                "findings": [f.to_json() for f in self.findings]}
+        if self.status in verdict.UNFINISHED and self.error is None:
+            out["ended"] = self.ended or {"status": self.status}
         if self.error is not None:
             out["error"] = self.error
         return out
 
 
-def judge_run(path: str, fail_on: str, rules: Path | None) -> Checked:
+def judge_run(path: str, fail_on: str, rules: Path | None, accept: tuple[str, ...] = ()) -> Checked:
     """Read one run and judge it; a run that cannot be read is returned with its ``error``."""
     start = time.perf_counter()
-    checked = Checked(run=path, fail_on=fail_on)
+    checked = Checked(run=path, fail_on=fail_on, accept=accept)
     if Path(path).is_dir() and not find_runs(Path(path)):
         checked.error = f"{path!r} is not a gradwatch run and holds none: no {DB_NAME} in it or in its folders"
         return checked
     try:
         with open_run(path) as run:
             checked.steps, checked.status, checked.incomplete = run.steps, run.status, run.incomplete
+            checked.ended = run.ended
             halted = verdict.halted(run.path) if checked.status == "halted" else None
             checked.halted = f" at step {halted.get('step')}: {halted['reason']}" if halted else ""
             checked.findings = gate.items(_findings(run, rules))
@@ -121,7 +137,7 @@ def render_text(results: list[Checked], file: Any) -> None:
             console.print(f"[bold]{escape(res.run)}[/bold]: [red]cannot be read[/red]: {escape(res.error)}")
             continue
         shown = [f for f in res.findings if f.severity != "info" or res.fail_on == "info"]
-        title = f"{res.run}: {res.steps} steps, {res.status}{res.halted}{_incomplete(res)}"
+        title = f"{res.run}: {res.steps} steps, {res.how}{res.halted}{_incomplete(res)}"
         if shown:
             table = Table(title=escape(title), title_justify="left")
             for col in ("step", "severity", "kind", "layer", "action", "message"):
@@ -136,10 +152,13 @@ def render_text(results: list[Checked], file: Any) -> None:
         else:
             console.print(f"[bold]{escape(title)}[/bold]: no findings of warning or error severity")
         n = len(res.failing)
+        if res.unfinished:
+            console.print(f"[bold red]UNFINISHED[/]: {escape(res.run)} did not finish: {escape(res.how)} "
+                          f"(--accept {res.status} passes it)")
         if n:
             plural = "s" * (n != 1)
             console.print(f"[bold red]FAIL[/]: {n} finding{plural} at or above {res.fail_on} in {escape(res.run)}")
-        else:
+        elif not res.unfinished:
             console.print(f"[bold green]PASS[/]: no finding at or above {res.fail_on} in {escape(res.run)}")
 
 
@@ -174,6 +193,11 @@ def render_junit(results: list[Checked]) -> str:
             ET.SubElement(read, "error", message=res.error, type="RunError").text = res.error
             cases["errors"] += 1
         else:
+            ended = ET.SubElement(suite, "testcase", classname=classname, name="run finished", time="0")
+            cases["tests"] += 1
+            if res.unfinished:
+                ET.SubElement(ended, "failure", message=f"the run did not finish: {res.how}", type="unfinished")
+                cases["failures"] += 1
             for kind in [*KINDS, *sorted({f.kind for f in res.failing} - set(KINDS))]:  # plugin kinds too
                 case = ET.SubElement(suite, "testcase", classname=classname, name=kind, time="0")
                 cases["tests"] += 1
@@ -227,7 +251,10 @@ def render_github(results: list[Checked]) -> str:
         if res.incomplete is not None:
             lines.append(f"::warning title={_escape_property(f'gradwatch: {res.run} is incomplete')}"
                          f"::{_escape_data(f'{res.run}: {res.steps} steps{_incomplete(res)}')}")
-        outcome, n = "FAIL" if res.failing else "PASS", len(res.failing)
+        if res.unfinished:
+            lines.append(f"::error title={_escape_property(f'gradwatch: {res.run} did not finish')}::"
+                         f"{_escape_data(f'{res.run}: {res.how}')}")
+        outcome, n = "FAIL" if res.failing or res.unfinished else "PASS", len(res.failing)
         lines.append(f"{outcome}: {res.run}: {n} finding{'s' * (n != 1)} at or above {res.fail_on}")
     return "\n".join(lines) + "\n"
 
@@ -243,17 +270,22 @@ def render_github(results: list[Checked]) -> str:
               help="Write the output to this file instead of standard output.")
 @click.option("--rules", type=click.Path(dir_okay=False, path_type=Path),
               help="Re-judge the recorded runs with this rules file's detector settings (no retraining).")
-def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, rules: Path | None) -> None:
+@click.option("--accept", default="", metavar="STATUSES", callback=lambda ctx, param, value: _accepted(value),
+              help="Pass runs that did not finish with these statuses (comma-separated: "
+                   f"{', '.join(verdict.UNFINISHED)}; 'unfinished': all of them).")
+def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, rules: Path | None,
+          accept: tuple[str, ...]) -> None:
     """Judge recorded runs (a folder: every run under it).
 
-    Exit 0 when none has a finding at or above --fail-on, else 1 (2: a run that cannot be read).
+    Exit 0 when none has a finding at or above --fail-on and each finished (or --accept accepts how it
+    ended), else 1 (2: a run that cannot be read).
     A run whose store lacks steps (the disk was full) is reported as incomplete; that alone does not fail it.
     """
     if rules is not None:
         from gradwatch.rejudge import validate
 
         validate(rules)  # a bad rules file is a usage error before any run is read
-    results = [judge_run(path, fail_on, rules) for path in expand(runs)]
+    results = [judge_run(path, fail_on, rules, accept) for path in expand(runs)]
     if fmt == "text":
         if output is None:
             render_text(results, sys.stdout)
@@ -275,38 +307,18 @@ def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, ru
     ctx = click.get_current_context()
     if any(r.error is not None for r in results):
         ctx.exit(USAGE_ERROR)
-    ctx.exit(1 if any(r.failing for r in results) else 0)
+    ctx.exit(1 if any(r.failing or r.unfinished for r in results) else 0)
 
 
-@cli.command(name="ls")
-@click.argument("root", default="runs", type=click.Path(path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(("text", "json")), default="text", show_default=True,
-              help="A table, or JSON (one object per run).")
-def ls(root: Path, fmt: str) -> None:
-    """List the runs under ROOT with steps, status and verdict."""
-    if not root.exists():
-        raise click.UsageError(f"no such folder: {str(root)!r}")
-    rows = [describe_run(d, root) for d in find_runs(root)]
-    if fmt == "json":
-        click.echo(encoding.dumps(rows, indent=2))
-        return
-    console = _console(sys.stdout)
-    if not rows:
-        console.print(f"no runs under {escape(str(root))}")
-        return
-    table = Table()
-    for col, justify in (("run", "left"), ("steps", "right"), ("status", "left"), ("verdict", "left"),
-                         ("findings (error/warning/info)", "right"), ("updated", "left")):
-        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
-    for row in rows:
-        counts = row["findings"]
-        verdict = ("unreadable: " + row["error"]) if row.get("error") else (
-            "clean" if not row["worst"] else f"worst: {row['worst']}")
-        table.add_row(escape(row["run"]), "-" if row["steps"] is None else str(row["steps"]), row["status"],
-                      escape(verdict),
-                      "-" if counts is None else f"{counts['error']}/{counts['warning']}/{counts['info']}",
-                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["updated"])))
-    console.print(table)
+def _accepted(value: str) -> tuple[str, ...]:
+    """``--accept``'s statuses; an unknown one is a usage error."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in (*verdict.UNFINISHED, "unfinished")]
+    if unknown:
+        raise click.BadParameter(f"{unknown[0]!r} is not a status of a run that did not finish; "
+                                 f"choose among {', '.join(verdict.UNFINISHED)} (or 'unfinished': all)",
+                                 param_hint="'--accept'")
+    return verdict.UNFINISHED if "unfinished" in names else tuple(names)
 
 
-__all__ = ["USAGE_ERROR", "check", "ls"]
+__all__ = ["USAGE_ERROR", "check"]

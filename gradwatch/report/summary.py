@@ -6,6 +6,7 @@ from typing import Any
 
 import pandas as pd
 
+from gradwatch import verdict
 from gradwatch.report.items import Item
 from gradwatch.report.text import duration, fmt, stamp
 from gradwatch.store.reader import Run
@@ -41,7 +42,7 @@ def facts(run: Run, meta: dict[str, Any], status: str, steps_info: pd.DataFrame,
         lo, hi = float(lr.min()), float(lr.max())
         first, last = fmt(float(lr.iloc[0])), fmt(float(lr.iloc[-1]))
         out.append(("learning rate", fmt(lo) if lo == hi else f"{fmt(lo)} – {fmt(hi)} (first {first}, last {last})"))
-    out.append(("status", status))
+    out.append(("status", verdict.describe(verdict.ended(status, verdict.read(run.path)))))
     options = meta.get("options") or {}
     if isinstance(options, dict) and "log_every" in options:
         out.append(("logging", f"every {options.get('log_every')} step(s), detailed every "
@@ -77,12 +78,12 @@ def _plural(n: int, word: str) -> str:
 
 
 def headline(state: str, status: str, counts: dict[str, int], items: list[Item], steps: int,
-             live: bool = False, halted: dict[str, Any] | None = None) -> str:
+             live: bool = False, halted: dict[str, Any] | None = None, ended: dict[str, Any] | None = None) -> str:
     """One or two sentences: what happened to the run, and where to look first.
 
     ``live``: for a page that follows the run as it trains (no "snapshot" caveat, no step count).
     ``halted``: the verdict's ``halted`` (its step and reason), for a halt no rule's finding made
-    (the skips or rollbacks that ran out).
+    (the skips or rollbacks that ran out). ``ended``: how the run ended (``Run.ended``).
     """
     if state == "halted":
         halt = next((i for i in items if i.action == "halt"), None)
@@ -106,6 +107,8 @@ def headline(state: str, status: str, counts: dict[str, int], items: list[Item],
         head += f" Also {_plural(counts['warning'], 'warning')}."
     if status == "running" and not live:
         head += " The run is still being written: this report is a snapshot."
+    elif status in ("terminated", "exited") or status == "crashed" and ended and len(ended) > 1:
+        head += f" The training process ended before the run finished: {verdict.describe(ended or {'status': status})}."
     elif status == "crashed":
         head += " The training process died before closing the run."
     return head

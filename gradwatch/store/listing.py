@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gradwatch import verdict
 from gradwatch.errors import DamagedStoreError, GradwatchError
 from gradwatch.findings import rank
 from gradwatch.store.reader import open_run
@@ -30,7 +31,8 @@ def updated(run_dir: Path) -> float:
 
 
 def describe_run(run_dir: Path, root: Path) -> dict[str, Any]:
-    """One row of ``gradwatch ls``: name, steps, status, verdict, counts, last update.
+    """One row of ``gradwatch ls``: name, steps, status (``ended``: how, ``status_detail``: for people),
+    verdict, counts, last update.
 
     A run that cannot be read has status ``damaged`` (its store is corrupted or holds values its
     writer could not have written) or ``unreadable`` (anything else), and its ``error``.
@@ -42,8 +44,9 @@ def describe_run(run_dir: Path, root: Path) -> dict[str, Any]:
         with open_run(run_dir) as run:
             counts = run.findings()["severity"].value_counts().to_dict()
             worst = max(counts, key=rank, default=None)
-            row.update(steps=run.steps, status=run.status, worst=worst,
-                       findings={s: int(counts.get(s, 0)) for s in ("info", "warning", "error")})
+            ended = run.ended
+            row.update(steps=run.steps, status=ended["status"], ended=ended, status_detail=verdict.describe(ended),
+                       worst=worst, findings={s: int(counts.get(s, 0)) for s in ("info", "warning", "error")})
     except GradwatchError as exc:  # one run that cannot be read never stops the others from being listed
         status = "damaged" if isinstance(exc, DamagedStoreError) else "unreadable"
         row.update(steps=None, status=status, worst=None, findings=None, error=str(exc))

@@ -111,7 +111,7 @@ class Run(Series):
 
     @property
     def status(self) -> str:
-        """``running``, ``finished``, ``halted``, or ``crashed`` (its writer died while running)."""
+        """``running``, ``finished``, ``halted``, ``terminated``, ``exited``, or ``crashed`` (see :attr:`ended`)."""
         row = self._query("SELECT value FROM meta WHERE key = 'status'")
         status = decode.json_text(self._db, "metadata 'status'", row[0][0]) if row else "unknown"
         if not isinstance(status, str):
@@ -119,6 +119,12 @@ class Run(Series):
         if status == "running" and not writer_alive(self.meta.get("pid"), self.meta.get("host")):
             return "crashed"
         return str(status)
+
+    @property
+    def ended(self) -> dict[str, Any]:
+        """``status``, with the verdict's ``signal``, ``code``, ``message`` or ``exception`` (docs/reading.md)."""
+        from gradwatch import verdict
+        return verdict.ended(self.status, verdict.read(self.path))
 
     @property
     def live(self) -> bool:

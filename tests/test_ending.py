@@ -1,0 +1,198 @@
+"""How a run ended (issue 27, item 4): preemption by SIGTERM, ``sys.exit(N)``, and ``check``'s verdict on it.
+
+Each training runs in a process of its own, as a cluster job does, and is ended the way a cluster or
+a script ends one: a SIGTERM with or without a handler of the user's, ``sys.exit(1)``, ``sys.exit("msg")``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gradwatch as gw
+from tests.test_check import gradwatch
+
+SCRIPT = r'''
+import os, signal, sys, time
+import torch
+from torch import nn
+import gradwatch as gw
+
+mode, run = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+
+def user_handler(signum, frame):
+    print(f"user handler {signum}", flush=True)
+    sys.exit(143)
+
+if mode == "handler_before":
+    signal.signal(signal.SIGTERM, user_handler)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+gw.watch(model, run=run, console=False, flush_seconds=600)  # nothing is committed unless gradwatch flushes
+stop = []
+if mode == "handler_after":
+    signal.signal(signal.SIGTERM, user_handler)
+if mode == "graceful_after":  # a framework's handler that calls the one before it, then stops the loop itself
+    before = signal.getsignal(signal.SIGTERM)
+    def graceful(signum, frame):
+        before(signum, frame)
+        stop.append(signum)
+    signal.signal(signal.SIGTERM, graceful)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(100000):
+    loss = model(torch.randn(16, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    print(f"step {step}", flush=True)
+    if step == 20:
+        if mode == "exit1":
+            sys.exit(1)
+        if mode == "exitmsg":
+            sys.exit("out of data")
+        if mode == "exit0":
+            sys.exit(0)
+        print("ready", flush=True)
+    if stop:
+        print("stopped gracefully", flush=True)
+        break
+    if step > 20:
+        time.sleep(0.002)
+'''
+
+
+def _train(tmp_path: Path, mode: str, *, terminate: bool) -> tuple[int, str, str, Path]:
+    """Run the script in ``mode``; with ``terminate``, send it SIGTERM once it is training past step 20."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run = tmp_path / f"run-{mode}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, str(script), mode, str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    assert proc.stdout is not None
+    lines = []
+    if terminate:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == "ready" or time.monotonic() > deadline:
+                break
+        assert lines and lines[-1].strip() == "ready", "".join(lines) + proc.stderr.read()  # type: ignore[union-attr]
+        time.sleep(0.2)  # some steps past step 20, not yet committed (flush_seconds=600)
+        proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, "".join(lines) + out, err, run
+
+
+def _last_step(out: str) -> int:
+    return max(int(line.split()[1]) for line in out.splitlines() if line.startswith("step "))
+
+
+@pytest.mark.slow
+def test_sigterm_without_a_handler_closes_the_run_as_terminated_and_dies_by_the_signal(tmp_path: Path) -> None:
+    code, out, err, run = _train(tmp_path, "plain", terminate=True)
+    assert code == -signal.SIGTERM, f"the process ends by SIGTERM, as without gradwatch ({code}): {err}"
+    assert "Traceback" not in err
+    with gw.open_run(run) as r:
+        assert r.status == "terminated"
+        assert r.ended == {"status": "terminated", "signal": 15}
+        assert r.steps >= _last_step(out) + 1 > 21, "every step trained before the signal is on disk"
+        assert r.verdict is not None and r.verdict["signal"] == 15
+    # check fails a run that did not finish, and says how it ended; --accept passes it
+    res = gradwatch("check", str(run))
+    assert res.returncode == 1
+    assert "UNFINISHED" in res.stdout and "terminated (signal 15, SIGTERM)" in res.stdout
+    data = json.loads(gradwatch("check", str(run), "--format", "json").stdout)
+    assert data["verdict"] == "unfinished" and data["ended"] == {"status": "terminated", "signal": 15}
+    assert gradwatch("check", str(run), "--accept", "terminated").returncode == 0
+    assert gradwatch("check", str(run), "--accept", "unfinished").returncode == 0
+    assert gradwatch("check", str(run), "--accept", "exited").returncode == 1
+    bad = gradwatch("check", str(run), "--accept", "preempted")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'preempted'" in bad.stderr
+    listed = json.loads(gradwatch("ls", str(tmp_path), "--format", "json").stdout)
+    assert [(row["status"], row["status_detail"]) for row in listed] == [
+        ("terminated", "terminated (signal 15, SIGTERM)")]
+    assert "terminated (signal 15, SIGTERM)" in gradwatch("ls", str(tmp_path)).stdout
+
+
+@pytest.mark.slow
+def test_sigterm_calls_the_users_handler_installed_before_watch(tmp_path: Path) -> None:
+    code, out, err, run = _train(tmp_path, "handler_before", terminate=True)
+    assert "user handler 15" in out
+    assert code == 143, err
+    with gw.open_run(run) as r:
+        assert r.ended == {"status": "terminated", "signal": 15, "code": 143}
+        assert r.steps >= _last_step(out) + 1
+
+
+@pytest.mark.slow
+def test_a_handler_installed_after_watch_decides_and_its_exit_code_is_recorded(tmp_path: Path) -> None:
+    code, out, err, run = _train(tmp_path, "handler_after", terminate=True)
+    assert "user handler 15" in out and code == 143, err
+    with gw.open_run(run) as r:
+        assert r.ended == {"status": "exited", "code": 143}
+        assert r.steps >= _last_step(out) + 1
+
+
+@pytest.mark.slow
+def test_a_framework_handler_that_chains_to_gradwatch_keeps_the_process_alive(tmp_path: Path) -> None:
+    code, out, err, run = _train(tmp_path, "graceful_after", terminate=True)
+    assert "stopped gracefully" in out, "gradwatch's handler, called by the later one, did not end the process"
+    assert code == 0, err
+    with gw.open_run(run) as r:
+        assert r.ended == {"status": "terminated", "signal": 15}
+        assert r.steps == _last_step(out) + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "ended"), [
+    ("exit1", {"status": "exited", "code": 1}),
+    ("exitmsg", {"status": "exited", "code": 1, "message": "out of data"}),
+    ("exit0", {"status": "finished"}),
+])
+def test_sys_exit_records_its_code(tmp_path: Path, mode: str, ended: dict[str, object]) -> None:
+    code, out, err, run = _train(tmp_path, mode, terminate=False)
+    assert code == ended.get("code", 0), err
+    with gw.open_run(run) as r:
+        assert r.ended == ended
+        assert r.steps == 21
+    res = gradwatch("check", str(run))
+    assert res.returncode == (1 if ended["status"] == "exited" else 0), res.stdout
+    if ended["status"] == "exited":
+        assert f"exited (code 1{': out of data' if 'message' in ended else ''})" in res.stdout
+        assert gradwatch("check", str(run), "--accept", "exited").returncode == 0
+
+
+def _train_in_block(run: Path, raised: BaseException) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gw.watcher(gw.watch(model, run=run, console=False)):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).sum().backward()
+            opt.step()
+        raise raised
+
+
+@pytest.mark.parametrize(("raised", "ended"), [
+    (SystemExit(3), {"status": "exited", "code": 3}),
+    (SystemExit("no more data"), {"status": "exited", "code": 1, "message": "no more data"}),
+    (SystemExit(0), {"status": "finished"}),
+    (ValueError("bad batch"), {"status": "crashed", "exception": "ValueError: bad batch"}),
+])
+def test_a_with_block_closes_its_run_with_how_it_ended(tmp_path: Path, raised: BaseException,
+                                                       ended: dict[str, object]) -> None:
+    with pytest.raises(type(raised)):
+        _train_in_block(tmp_path / "run", raised)
+    with gw.open_run(tmp_path / "run") as r:
+        assert r.ended == ended and r.steps == 3
