@@ -19,6 +19,7 @@ from gradwatch.cli import USAGE_ERROR, cli
 from gradwatch.errors import GradwatchError
 from gradwatch.files import write_text_atomic
 from gradwatch.findings import KINDS, rank
+from gradwatch.store import owned
 from gradwatch.store.listing import find_runs
 from gradwatch.store.reader import Run, open_run
 from gradwatch.store.schema import DB_NAME
@@ -86,6 +87,7 @@ def judge_run(path: str, fail_on: str, rules: Path | None, accept: tuple[str, ..
     try:
         with open_run(path) as run:
             checked.steps, checked.status, checked.incomplete = run.steps, run.status, run.incomplete
+            run.check_vectors()  # one verdict for one store: a vector that report or open_run call damaged
             checked.ended = run.ended
             halted = verdict.halted(run.path) if checked.status == "halted" else None
             checked.halted = f" at step {halted.get('step')}: {halted['reason']}" if halted else ""
@@ -281,6 +283,8 @@ def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, ru
     ended), else 1 (2: a run that cannot be read).
     A run whose store lacks steps (the disk was full) is reported as incomplete; that alone does not fail it.
     """
+    if output is not None:  # never over a run's own files (its store ...)
+        owned.refuse(output, "the check report", [*runs, *expand(runs)])
     if rules is not None:
         from gradwatch.rejudge import validate
 

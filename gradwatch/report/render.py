@@ -16,6 +16,7 @@ from gradwatch.report.data import Report, collect
 from gradwatch.report.items import MAX_CARDS, Item, card_order
 from gradwatch.report.remedies import explain
 from gradwatch.report.text import fmt
+from gradwatch.store import owned
 from gradwatch.store.reader import Run, open_run
 
 TEMPLATE = "report.html.j2"
@@ -95,10 +96,11 @@ def write(run: str | os.PathLike[str], output: str | os.PathLike[str] | None = N
 
     Raises:
         RunError: the run cannot be read.
-        GradwatchError: the report cannot be written.
+        GradwatchError: the report cannot be written, or ``output`` is a file of a run (its store ...).
     """
     with open_run(run) as opened:
         target = Path(output) if output is not None else opened.path / DEFAULT_NAME
+        owned.refuse(target, "the report", [run])  # never over a run's own files
         text = html(collect(opened, str(run)))
     write_text_atomic(target, text, "the report")
     return target
