@@ -336,8 +336,17 @@ def create_app(root: str | Path, *, host: str = "127.0.0.1", poll: float = POLL_
 
 
 # ---------------------------------------------------------------------- serving
+#: connections waiting to be accepted (uvicorn's default)
+BACKLOG = 2048
+
+
 def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (port 0: a free one), or a GradwatchError saying why not."""
+    """A socket bound to ``host:port`` (port 0: a free one) and listening, or a GradwatchError saying why not.
+
+    Binding and listening are one checked step: two dashboards started at once on one port may both
+    bind (``SO_REUSEADDR``), but only one can listen; the other gets the error here, before it prints
+    anything, never from the server later.
+    """
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
@@ -346,6 +355,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         raise GradwatchError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another port with "
