@@ -69,3 +69,16 @@ def test_other_files_in_a_run_directory_are_written(run: Path, tmp_path: Path) -
     (run / "check.json").unlink()
     (run / "report.html").unlink()
 
+
+def test_ls_lists_a_run_at_the_root_and_the_runs_nested_inside_it(tmp_path: Path) -> None:
+    outer = regression(tmp_path / "sweep", steps=5)
+    inner = [regression(outer / "trial-1", steps=6), regression(outer / "trial-2" / "seed-0", steps=7)]
+    rows = json.loads(gradwatch("ls", str(outer), "--format", "json").stdout)
+    assert [(row["path"], row["steps"]) for row in rows] == [(str(outer), 5), (str(inner[0]), 6),
+                                                             (str(inner[1]), 7)]
+    assert [row["run"] for row in rows] == [str(outer), "trial-1", str(Path("trial-2") / "seed-0")]
+    text = gradwatch("ls", str(outer)).stdout
+    assert "trial-1" in text and "seed-0" in text
+    from_parent = json.loads(gradwatch("ls", str(tmp_path), "--format", "json").stdout)
+    assert [row["run"] for row in from_parent] == ["sweep", str(Path("sweep") / "trial-1"),
+                                                   str(Path("sweep") / "trial-2" / "seed-0")]

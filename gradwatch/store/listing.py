@@ -13,9 +13,7 @@ from gradwatch.store.schema import DB_NAME
 
 
 def find_runs(root: Path) -> list[Path]:
-    """Run directories under ``root`` (itself included), in path order."""
-    if (root / DB_NAME).is_file():
-        return [root]
+    """Run directories under ``root`` (itself included, and the runs nested inside a run), in path order."""
     return sorted(p.parent for p in root.rglob(DB_NAME) if p.is_file())
 
 
