@@ -119,6 +119,8 @@ CASES: dict[str, list[tuple[str, tuple[Any, ...]]]] = {
 #: damages in what ``ls`` and ``check`` read
 READ_BY_CHECK = {"meta-json", "meta-null", "meta-type", "status-json", "findings-json", "findings-list",
                  "findings-severity", "bad-utf8-meta"}
+#: damages in how vectors are packed, which ``check`` also scans for (one verdict with ``report``; issue 27, item 8)
+PACKING = {"vector-codec", "vector-length", "mask-length"}
 
 
 def read_everything(run: Path) -> None:
@@ -179,9 +181,15 @@ def test_a_damaged_value_is_reported_as_damage(pristine: Path, tmp_path: Path, c
     rows = {row["run"]: row for row in (describe_run(p, tmp_path) for p in (good, bad))}
     assert rows["good"]["status"] == "finished"
     checked = judge_run(str(bad), "error", None)
-    if case in READ_BY_CHECK:  # ls and check read the metadata, the steps and the findings, nothing more
+    if case in READ_BY_CHECK:  # ls and check read the metadata, the steps and the findings
         assert rows["bad"]["status"] == "damaged" and "is damaged" in rows["bad"]["error"]
         assert checked.verdict == "error" and "is damaged" in str(checked.error)
+    elif case in PACKING:  # check also scans the vectors' codecs and sizes (without decompressing them)
+        assert rows["bad"]["status"] == "finished"
+        assert checked.verdict == "error" and "is damaged" in str(checked.error)
+        with pytest.raises(gw.RunError, match="is damaged"):  # the same damage, as any read of it says
+            with gw.open_run(bad) as run:
+                run.matrix("grad_norm")
     else:
         assert rows["bad"]["status"] == "finished" and checked.error is None
         rejudged = judge_run(str(bad), "error", tmp_path / "rules.toml")  # re-judging reads the statistics
@@ -230,6 +238,22 @@ def test_the_cli_reports_a_damaged_run_in_one_line_and_lists_the_others(pristine
     assert rows["good"]["status"] == "finished" and rows["bad"]["status"] == "damaged"
     text = cli("ls", str(tmp_path))
     assert text.returncode == 0 and "damaged" in text.stdout and "good" in text.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(PACKING))
+def test_check_and_report_give_one_verdict_on_a_badly_packed_vector(pristine: Path, tmp_path: Path,
+                                                                    case: str) -> None:
+    bad = copy_run(pristine, tmp_path, "bad")
+    damage(bad, *CASES[case])
+    said = []
+    for args in (("check", str(bad)), ("check", str(bad), "--format", "json"),
+                 ("report", str(bad), "-o", str(tmp_path / "r.html"))):
+        done = cli(*args)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)  # check passed it (exit 0), report did not
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+        said.append(done.stderr)
+    assert said[0] == said[1] == said[2] and "is damaged" in said[0], said
 
 
 # ------------------------------------------------------------------ the fuzzer

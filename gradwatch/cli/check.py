@@ -87,6 +87,7 @@ def judge_run(path: str, fail_on: str, rules: Path | None, accept: tuple[str, ..
     try:
         with open_run(path) as run:
             checked.steps, checked.status, checked.incomplete = run.steps, run.status, run.incomplete
+            run.check_vectors()  # one verdict for one store: a vector that report or open_run call damaged
             checked.ended = run.ended
             halted = verdict.halted(run.path) if checked.status == "halted" else None
             checked.halted = f" at step {halted.get('step')}: {halted['reason']}" if halted else ""

@@ -175,6 +175,24 @@ def vector(db: Path, codec: Any, data: Any, mask: Any, n: int) -> tuple[np.ndarr
     return values, np.unpackbits(np.frombuffer(mask, dtype=np.uint8), count=n).astype(bool)
 
 
+#: the first stored vector that is not a packed vector of its layout (codec, types, sizes: SQLite reads
+#: the blobs' types and lengths without their bytes), with its layout's size: one table scan
+MISPACKED = """
+WITH sizes AS (SELECT layout, scope, COUNT(*) AS n FROM entries GROUP BY layout, scope)
+SELECT v.codec, v.data, v.mask, COALESCE(s.n, 0) FROM vectors v
+LEFT JOIN sizes s ON s.layout = v.layout AND s.scope = v.scope
+WHERE v.codec NOT IN (0, 1) OR typeof(v.data) != 'blob' OR (v.codec = 0 AND length(v.data) != 4 * COALESCE(s.n, 0))
+   OR (v.mask IS NOT NULL AND (typeof(v.mask) != 'blob' OR length(v.mask) != (COALESCE(s.n, 0) + 7) / 8))
+LIMIT 1
+"""
+
+
+def packed(db: Path, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Raise the error a read of it would raise for a vector :data:`MISPACKED` found (rows: none, or that one)."""
+    for codec, data, mask, n in rows:
+        vector(db, codec, data, mask, n)
+
+
 def entries(db: Path, rows: Sequence[tuple[Any, ...]], what: str) -> None:
     """Check the entry rows of one layout and scope: (name[, type[, numel]]), names text and unique."""
     for row in rows:

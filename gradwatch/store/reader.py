@@ -151,10 +151,12 @@ class Run(Series):
 
     @property
     def incomplete(self) -> dict[str, Any] | None:
-        """The steps the store lacks for good (a full disk): ``reason``, ``missing_steps`` and ``steps``
-        (inclusive ``[first, last]`` ranges); None when it holds every step (docs/reading.md).
-        """
+        """The steps a full disk kept out of the store (``reason``, ``missing_steps``, ``steps`` ranges), or None."""
         return decode.incomplete(self._db, self.meta.get("incomplete"))
+
+    def check_vectors(self) -> None:
+        """Raise :class:`DamagedStoreError` if a stored vector is not packed as its layout says (a table scan)."""
+        decode.packed(self._db, self._query(decode.MISPACKED))
 
     def progress(self) -> dict[str, Any]:
         """A cheap marker of how far the run has got, for live viewers (a few index lookups).
