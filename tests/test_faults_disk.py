@@ -268,3 +268,17 @@ def test_a_real_filesystem_filling_up_and_freed(small_disk: Path, capsys: pytest
     (events,) = run.glob("events.out.tfevents.*")
     tb_steps = set(_event_steps(events))
     assert set(range(210, STEPS)) <= tb_steps and set(range(20)) <= tb_steps
+
+
+@pytest.mark.slow
+def test_a_disk_still_full_at_the_end_says_what_it_could_not_write(tmp_path: Path, filling: type[_Disk]) -> None:
+    run = tmp_path / "run"
+    told = _train(run, _window(250, STEPS + 1), tensorboard=False)
+    assert [type(w.message) for w in told] == [gw.DiskFullWarning, gw.DiskFullWarning], told
+    end = str(told[1].message)
+    assert "still full at its end" in end and "could not be written" in end and "'crashed' once" in end, end
+    with gw.open_run(run) as r:
+        steps = r.steps
+    assert steps < STEPS
+    _, out, _ = _check_json(run)  # the status could not be written: never a false 'finished' ('crashed' once
+    assert out["status"] == "running" and out["steps"] == steps, out  # its writer, this process, has ended)

@@ -104,7 +104,7 @@ class Store:
                 raise
             self._notices.append((DiskFullWarning, (
                 f"gradwatch: the disk under the run {str(self._run)!r} is still full at its end: its final status "
-                f"({status!r}) could not be written, so the run reads as 'crashed'; "
+                f"({status!r}) could not be written, so the run reads as 'crashed' once this process ends; "
                 + (f"{len(self._findings)} findings were not stored" if self._findings else "its findings are stored")
                 + (f", {missing['missing_steps']} steps are missing" if missing else ""))))
             return
