@@ -123,8 +123,11 @@ class Snapshots:
                 os.fsync(fh.fileno())
             digest = _sha256(tmp)
             os.replace(tmp, final)
-        except BaseException:  # a full disk, a kill signal turned into an exception: no half-written file stays
+        except BaseException as exc:  # a full disk, Ctrl-C, a signal handler's exit: no half-written file stays
             tmp.unlink(missing_ok=True)
+            interrupt = _interrupt(exc)
+            if interrupt is not None and interrupt is not exc:
+                raise interrupt from None  # the user's loop gets it, as if torch had let it through
             raise
         return final, digest
 
@@ -162,6 +165,21 @@ def remove_leftovers(directory: Path) -> None:
             path.unlink()
         except OSError:  # gone meanwhile, or not ours to remove: writing will say what is wrong
             pass
+
+
+def _interrupt(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit behind ``exc``, if one is: torch turns one raised in the Python
+    ``write`` its C++ writer calls (Ctrl-C, a signal handler's ``sys.exit``) into a RuntimeError
+    ("enforce fail at inline_container.cc"), with the interrupt as its context.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if not isinstance(cause, Exception):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _sha256(path: Path) -> str:
