@@ -89,6 +89,8 @@ class LoopControl:
         self._found: tuple[tuple[int, ...], list[weakref.ref[Any]], list[weakref.ref[Any]]] | None = None
         #: the model's buffers before the step's forward calls: put back when the step is not applied
         self.buffers = Buffers()
+        #: the ranks of distributed training (``integrations.distributed.Group``), or None
+        self.group: Any = None
 
     # ---------------------------------------------------------- bookkeeping
     def begin(self, step: int, grads: list[torch.Tensor], total: float) -> None:
@@ -160,27 +162,39 @@ class LoopControl:
         return {"skipped": True, "consecutive": self.consecutive_skips, **self.buffers.restore(self.step)}
 
     def rollback(self, skip_batches: int, lr_scale: float, max_rollbacks: int) -> dict[str, Any]:
-        """Restore the last known-good snapshot and skip this step."""
+        """Restore the last known-good snapshot and skip this step.
+
+        In distributed training every rank does the same: it restores the newest snapshot that every
+        rank holds intact; where some rank holds none, every rank skips the step; where none is intact
+        everywhere, every rank halts (see :meth:`_agreed`).
+        """
         store = self._watcher.snapshots
-        if store is None or not store.items:
-            self.skipping = True
-            return {"rolled_back": False, "reason": "no snapshot yet; the step was skipped instead",
-                    **self.buffers.restore(self.step)}
-        if self.rollbacks >= max_rollbacks:
-            self.halt(None, f"training needed more than {max_rollbacks} rollbacks")
-        candidates = [s for s in store.items if s.step <= self.step]
+        candidates = [s for s in store.items if s.step <= self.step] if store is not None else []
         if len(candidates) > 1 and candidates[-1].step == self._last_restored:
             candidates.pop()  # the trouble came back before a newer snapshot: go further back
-        problems = []
+        lacking: list[int] = []
+        if self.group is not None:
+            if self.group.check_every > 0:
+                self.group.check_next = True  # the replicas are compared at the next step: still one model?
+            common, lacking = self.group.common_steps([s.step for s in candidates])
+            candidates = [s for s in candidates if s.step in common]
+        if store is None or not candidates:
+            self.skipping = True
+            reason = "no snapshot yet; the step was skipped instead"
+            if lacking:
+                reason = (f"rank{'s' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))} of "
+                          f"{self.group.size} could not keep a snapshot; every rank skipped the step instead")
+            return {"rolled_back": False, "reason": reason, **self.buffers.restore(self.step),
+                    **({"ranks_without_snapshot": lacking} if lacking else {})}
+        if self.rollbacks >= max_rollbacks:
+            self.halt(None, f"training needed more than {max_rollbacks} rollbacks")
+        problems: list[str] = []
         self.buffers.restore(self.step)  # the step's forward calls undone; a snapshot's buffers then replace them
         for snap in reversed(candidates):
-            try:
-                saved = store.load(snap)
-            except RunError as exc:  # never restore a corrupted snapshot; try an older one
-                problems.append(str(exc))
-                continue
-            snapshots.restore(saved, self._watcher.model(), *snap.targets)
-            break
+            saved = self._agreed(store, snap, problems)
+            if saved is not None:
+                snapshots.restore(saved, self._watcher.model(), *snap.targets)
+                break
         else:
             self.halt(None, "no intact snapshot to roll back to" + (f" ({'; '.join(problems)})" if problems else ""))
         self.rollbacks += 1
@@ -191,7 +205,21 @@ class LoopControl:
         self.skipping = True
         self._watcher.snapshot_restored()
         return {"rolled_back": True, "restored_step": snap.step, "rollbacks": self.rollbacks,
-                "skip_batches": skip_batches, "lr_scale": lr_scale, "refused": problems}
+                "skip_batches": skip_batches, "lr_scale": lr_scale, "refused": problems,
+                **({"ranks_without_snapshot": lacking} if lacking else {})}
+
+    def _agreed(self, store: Snapshots, snap: snapshots.Snapshot, problems: list[str]) -> dict[str, Any] | None:
+        """The state of ``snap`` when it is intact here (and, in distributed training, on every rank)."""
+        try:
+            saved = store.load(snap)
+        except RunError as exc:  # never restore a corrupted snapshot; try an older one
+            problems.append(str(exc))
+            saved = None
+        if self.group is not None and not self.group.everywhere(saved is not None):
+            if saved is not None:
+                problems.append(f"the snapshot of step {snap.step} is not intact on every rank")
+            return None
+        return saved
 
     def scale_lr(self, factor: float) -> dict[str, Any]:
         """Multiply every parameter group's LR (and the schedulers' base LRs) by ``factor``."""

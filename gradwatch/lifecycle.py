@@ -65,7 +65,8 @@ class Lifecycle(Recording):
                  control: LoopControl, writer: Writer, tracker: Tracker | None, group: Any,
                  snapshots: Snapshots | None, guard: Guard) -> None:
         self.options, self.judge, self.control, self.writer = options, judge, control, writer
-        self.tracker, self.group, self.snapshots, self.guard = tracker, group, snapshots, guard
+        self.tracker, self.snapshots, self.guard = tracker, snapshots, guard
+        self.group = control.group = group  # a rollback is agreed on by every rank
         self.step = 0
         self.closed = False
         self._model = weakref.ref(model)
@@ -78,8 +79,7 @@ class Lifecycle(Recording):
         self.looks = Looks(options.sample_period)
         self.current = None
         self.latest = {}
-        self.since_snapshot = 0
-        self.snapshots_failed = False  # a snapshot could not be written: no more are taken
+        self.since_snapshot, self.snapshots_failed = 0, False  # failed: one could not be written, no more are taken
         #: set by a framework integration (``Watcher.integrate``)
         self.on_halt: Callable[[TrainingHalted], None] | None = None
         self.before_step: Callable[[], None] | None = None

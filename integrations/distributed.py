@@ -12,8 +12,12 @@ group; gradwatch notices the initialised group and:
 - **writes from rank 0 only**: the run directory, store, TensorBoard files, verdict and console
   lines come from rank 0 (its statistics; with DDP the gradients are the same on every rank after
   the all-reduce). A finding made on other ranks says which (``data["ranks"]``);
-- **checks the replicas** every ``replica_check_every`` steps: each parameter's norm and sum are
-  compared across ranks; a mismatch beyond ``replica_tolerance`` (relative) is a
+- **acts together**: a rollback restores the newest snapshot that every rank holds, intact; where
+  some rank holds none (its ``snapshot_dir`` full or unwritable), every rank skips the step instead,
+  and where none is intact on every rank, every rank halts; the finding's outcome names the ranks
+  that lacked one (``ranks_without_snapshot``);
+- **checks the replicas** every ``replica_check_every`` steps, and at the step after a rollback:
+  each parameter's norm and sum are compared across ranks; a mismatch beyond ``replica_tolerance`` (relative) is a
   ``replica_divergence`` error naming the first layer that differs (replicas that drifted apart:
   a missed all-reduce, a rank-dependent update, non-deterministic kernels).
 
@@ -101,6 +105,8 @@ class Group:
         self._replicas_pending = False
         self._params = 0
         self.begun_at = 0
+        #: compare the replicas at the next step whatever ``check_every`` says (after a rollback)
+        self.check_next = False
 
     def begin(self, step: int, params: Sequence[torch.Tensor], moment: int = 0) -> None:
         """A step's collectives begin (on every rank alike): replica check when due, then :meth:`share`
@@ -206,7 +212,25 @@ class Group:
 
     def due(self, step: int) -> bool:
         """Whether the replicas are compared at this step."""
-        return self.check_every > 0 and step % self.check_every == 0
+        return self.check_every > 0 and (self.check_next or step % self.check_every == 0)
+
+    def common_steps(self, mine: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The snapshot steps every rank holds (newest first), and the ranks that hold none of the newest
+        any rank holds (call it on all ranks; one ``all_gather_object`` of a few integers).
+        """
+        gathered: list[Any] = [None] * self.size
+        self._dist.all_gather_object(gathered, sorted(mine), group=self._pg)
+        held = [set(steps or ()) for steps in gathered]
+        common = sorted(set.intersection(*held), reverse=True)
+        newest = max((max(h) for h in held if h), default=None)
+        lacking = [rank for rank, h in enumerate(held) if newest is not None and newest not in h]
+        return common, lacking
+
+    def everywhere(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (call it on all ranks; one tiny all-reduce)."""
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        self._dist.all_reduce(flag, op=self._dist.ReduceOp.MIN, group=self._pg)
+        return bool(flag[0])
 
     @torch.no_grad()
     def check_replicas(self, step: int, params: Sequence[torch.Tensor], owners: Sequence[str | None]) -> list[Finding]:
@@ -219,7 +243,7 @@ class Group:
         """
         from gradwatch.measure import sharded
 
-        self._replicas_pending = False
+        self._replicas_pending = self.check_next = False
         if not params or sharded(list(params)):  # FSDP: each rank holds other shards, nothing to compare
             return []
         detached = [p.detach() for p in params]

@@ -54,6 +54,13 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
             options.update(sample_every=STEPS - 1)
         if scenario == "halt":
             options.update(rules=[gw.Rule(when="nonfinite", do="halt")])
+        snaps = Path(out, f"snaps{rank}")
+        if scenario.startswith("rollback"):
+            options.update(rules=[gw.Rule(when="nonfinite", do="rollback")], snapshot_every=2)
+            if scenario == "rollback_unwritable" and rank == 1:  # its snapshot_dir cannot be made: a file is in the way
+                Path(out, "blocked").write_text("a file, not a folder")
+                snaps = Path(out, "blocked", "snaps")
+            options.update(snapshot_dir=str(snaps))
         if scenario.startswith("fail") and rank == 1:
             plant_failure(scenario)
         gw.watch(ddp, run=run, **options)
@@ -62,7 +69,8 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
         weights: dict[int, list[float]] = {}
         for step in range(STEPS):
             x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
-            if scenario in ("nan", "halt") and rank == 1 and step == 5:
+            if scenario in ("nan", "halt", "rollback_unwritable", "rollback_lost", "rollback_diverged") and \
+                    rank == 1 and step == 5:
                 x[0, 0] = float("nan")  # poisoned on rank 1 only
             loss = nn.functional.mse_loss(ddp(x), y)
             opt.zero_grad()
@@ -84,6 +92,12 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
                     for n, p in model.named_parameters()}
             weights[step] = [float((model[0].weight.detach() - before).abs().max().full_tensor()
                                    if fsdp else (model[0].weight.detach() - before).abs().max())]
+            if scenario == "rollback_lost" and rank == 1 and step == 4:
+                for path in snaps.glob("snapshot-*.pt"):
+                    path.unlink()  # this rank's snapshots are lost (a scratch disk wiped)
+            if scenario == "rollback_diverged" and rank == 1 and step == 3:
+                with torch.no_grad():
+                    model[2].bias.add_(1.0)  # the replicas drift apart, with no replica check due for 100 steps
             if scenario == "divergence" and rank == 1 and step == 6:
                 with torch.no_grad():
                     model[2].bias.add_(1.0)  # a rank-dependent update outside DDP
@@ -246,3 +260,42 @@ def test_gradwatch_failing_on_one_rank_stops_it_on_every_rank_at_the_same_step(
     with gw.open_run(run) as opened:
         assert opened.status == "crashed"
         assert opened.steps == left_at
+
+
+def test_a_rollback_one_rank_cannot_do_is_a_skip_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 could keep no snapshot (its snapshot_dir is unwritable): both ranks skip, and say why."""
+    run, results = launch(tmp_path, "rollback_unwritable")
+    for r in results:
+        assert r["changed"]["5"] == 0.0, f"rank {r['rank']} applied the poisoned step"
+        assert r["changed"]["6"] > 0.0, f"rank {r['rank']} went on training"
+    assert results[0]["weight_sum"] == results[1]["weight_sum"], "the replicas are still one model"
+    assert sorted(p.name for p in (tmp_path / "snaps0").glob("*.pt")), "rank 0 kept its snapshots"
+    with gw.open_run(run) as stored:
+        found = stored.findings()
+        assert stored.skipped_steps().tolist() == [5]
+    nonfinite = found[found["kind"] == "nonfinite"]
+    assert nonfinite["step"].tolist() == [5] and nonfinite["action"].tolist() == ["rollback"]
+    outcome = nonfinite["data"].iloc[0]["outcome"]
+    assert outcome["rolled_back"] is False and outcome["ranks_without_snapshot"] == [1]
+    assert outcome["reason"] == "rank 1 of 2 could not keep a snapshot; every rank skipped the step instead"
+    assert "replica_divergence" not in set(found["kind"]), "checked at the step after the rollback: one model"
+
+
+def test_a_rollback_to_a_snapshot_lost_on_one_rank_halts_every_rank(tmp_path: Path) -> None:
+    run, results = launch(tmp_path, "rollback_lost")
+    assert [r.get("halted_at") for r in results] == [5, 5], "both ranks raised TrainingHalted at step 5"
+    assert results[0]["weight_sum"] == results[1]["weight_sum"], "neither rank restored a snapshot alone"
+    with gw.open_run(run) as stored:
+        assert stored.status == "halted"
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert verdict["halted"]["step"] == 5 and "no intact snapshot" in verdict["halted"]["reason"]
+    assert "not intact on every rank" in verdict["halted"]["reason"]
+
+
+def test_the_replicas_are_compared_at_the_step_after_a_rollback(tmp_path: Path) -> None:
+    run, _ = launch(tmp_path, "rollback_diverged")
+    with gw.open_run(run) as stored:
+        found = stored.findings()
+    assert found[found["kind"] == "nonfinite"]["action"].tolist() == ["rollback"]
+    diverged = found[found["kind"] == "replica_divergence"]
+    assert diverged["step"].tolist() == [6] and diverged["layer"].iloc[0] == "2"
