@@ -80,14 +80,16 @@ def outcome(steps: dict[int, int], *, at_exit: bool) -> tuple[str | None, dict[s
     """The status and details (``signal``, ``code``, ``message``, ``exception``) of the runs closed now.
 
     Args:
-        steps: each live watcher's step now (by watcher id): a ``sys.exit`` call followed by a step was caught.
+        steps: each live watcher's step now (by watcher id): a ``sys.exit`` call followed by a step, or by a
+            new watcher, was caught.
         at_exit: the interpreter is exiting (``atexit``); otherwise a run is closed by the program (only a
             signal that arrived before makes it ``terminated``).
 
     Returns:
         ``(None, {})`` when nothing says the run did not finish.
     """
-    code = NOW.code if at_exit and all(steps.get(k, v) == v for k, v in NOW.steps_at_exit.items()) else None
+    caught = any(NOW.steps_at_exit.get(k) != v for k, v in steps.items())  # a watcher trained, or began, after it
+    code = NOW.code if at_exit and not caught else None
     detail: dict[str, Any] = {}
     if code:
         detail["code"] = code

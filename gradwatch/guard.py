@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -254,6 +255,16 @@ class Moment(Hook):
         """Count the call, then run the hook."""
         self._guard.moments += 1
         return Hook.__call__(self, *args)
+
+
+def hook_frame(frame: FrameType | None) -> FrameType | None:
+    """The outermost call of a gradwatch hook in the stack that runs ``frame`` (None: no hook runs there)."""
+    found, code = None, Hook.__call__.__code__
+    while frame is not None:
+        if frame.f_code is code:
+            found = frame
+        frame = frame.f_back
+    return found
 
 
 def unwatched(owner: Any, *args: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -123,6 +124,7 @@ def on_signal(signum: int, hook: Hook) -> bool:
     handler installed before (chained), or take the signal's default action again (``dying``: the process
     ends by the signal, as it would have without gradwatch, so its exit status is the signal's).
 
+    ``hook`` returning True takes the default action over: it calls :func:`die` itself, later.
     A handler installed later that calls this one as the handler before it decides on its own: this one
     then only calls ``hook`` (not dying). A process forked from this one (a DataLoader worker) gets the
     handler before, never ``hook``. Nothing is installed outside the main thread, over an ignored
@@ -144,17 +146,46 @@ def on_signal(signum: int, hook: Hook) -> bool:
 
     def handler(number: int, frame: Any) -> None:
         on_top = signal.getsignal(number) is handler
-        if os.getpid() == pid:
-            note(number, frame, on_top and not callable(previous))
+        if os.getpid() == pid and note(number, frame, on_top and not callable(previous)) is True:
+            return  # ``hook`` ends the process by the signal itself, later (:func:`die`)
         if callable(previous):
             previous(number, frame)
         elif on_top:
-            signal.signal(number, signal.SIG_DFL)
-            os.kill(os.getpid(), number)
+            die(number)
 
     handler.gradwatch = True  # type: ignore[attr-defined]
     signal.signal(signum, handler)
     return True
+
+
+def die(signum: int) -> None:
+    """End the process by ``signum``'s default action (its exit status is the signal's); main thread only."""
+    import os
+    import signal
+
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def after_return(frame: FrameType, hook: Hook) -> None:
+    """Have ``hook()`` run as ``frame`` (running in the calling thread) returns, by tracing that thread
+    until then (as a debugger does; new calls meanwhile are not traced). For a signal handler that must
+    not act inside gradwatch's code it interrupted.
+    """
+    import sys
+
+    note = _checked(hook)
+    previous = sys.gettrace()
+
+    def returned(at: FrameType, event: str, arg: Any) -> Any:
+        if event == "return" and at is frame:
+            sys.settrace(previous)
+            note()
+        return returned
+
+    frame.f_trace_lines = False
+    frame.f_trace = returned
+    sys.settrace(lambda at, event, arg: None)
 
 
 def exit_calls(hook: Hook) -> None:
@@ -167,7 +198,7 @@ def exit_calls(hook: Hook) -> None:
     previous = sys.exit
     note = _checked(hook)
 
-    def exit(status: object = None, /) -> None:
+    def exit(status: Any = None, /) -> None:
         note(status)
         previous(status)
 

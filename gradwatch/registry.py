@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 import warnings
 import weakref
@@ -24,6 +25,7 @@ M = TypeVar("M")
 _watchers: weakref.WeakKeyDictionary[nn.Module, Watcher] = weakref.WeakKeyDictionary()
 _live: set[Watcher] = set()
 _installed = False
+_terminating = False  # a signal that ends the process waits for the hook it stopped to return
 
 
 def _keys(model: nn.Module) -> list[nn.Module]:
@@ -236,14 +238,37 @@ def _close_all() -> None:
         w.guard.run("atexit", w.close, status, detail)
 
 
-def _signalled(signum: int, frame: Any, dying: bool) -> None:
-    """A signal that ends the process arrived: the runs close as terminated; when its default action
-    follows, they close now (in a thread of its own: the training thread may be stopped inside
-    gradwatch holding a lock that closing takes; waited for :data:`ending.CLOSE_SECONDS` at most).
+def _signalled(signum: int, frame: Any, dying: bool) -> bool:
+    """A signal that ends the process arrived: the runs close as terminated. When its default action
+    follows, they close first: now, if the signal stopped the training thread outside gradwatch's
+    hooks; else as the hook it stopped returns (closing in the middle of a step would lose it), and then
+    the process ends by the signal (True: done here). A hook that does not return within
+    :data:`ending.CLOSE_SECONDS` gets the signal again, and the runs are closed then.
     """
+    global _terminating
     ending.NOW.signal = signum
-    if dying and _live:
+    inside = entry.hook_frame(frame)
+    if not dying or not _live:
+        return False
+    if inside is None or _terminating:  # closed in a thread of its own, waited for a bounded time
         register.thread(_PROCESS.hook("signal", _close_all), "gradwatch-terminated").join(ending.CLOSE_SECONDS)
+        return False
+    _terminating = True
+    register.after_return(inside, _PROCESS.hook("signal", lambda: _terminate(signum)))
+    register.thread(_PROCESS.hook("signal", lambda: _signal_again(signum)), "gradwatch-terminating")
+    return True
+
+
+def _terminate(signum: int) -> None:
+    try:
+        _close_all()
+    finally:
+        register.die(signum)
+
+
+def _signal_again(signum: int) -> None:
+    time.sleep(ending.CLOSE_SECONDS)
+    os.kill(os.getpid(), signum)
 
 
 def _exiting(status: Any) -> None:

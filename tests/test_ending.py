@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,10 @@ if mode == "graceful_after":  # a framework's handler that calls the one before 
         before(signum, frame)
         stop.append(signum)
     signal.signal(signal.SIGTERM, graceful)
+if mode == "inside_hook":  # the signal arrives while gradwatch's step hook runs (at step 30's moment)
+    steps = iter(range(100000))
+    gw.watcher(model).integrate(on_halt=print, before_step=lambda: next(steps) == 30 and os.kill(os.getpid(),
+                                                                                                signal.SIGTERM))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for step in range(100000):
     loss = model(torch.randn(16, 4)).pow(2).mean()
@@ -61,7 +66,14 @@ for step in range(100000):
             sys.exit("out of data")
         if mode == "exit0":
             sys.exit(0)
+        if mode == "exit_caught":  # an argument parser's exit, caught: training goes on and finishes
+            try:
+                sys.exit(2)
+            except SystemExit:
+                pass
         print("ready", flush=True)
+    if mode == "exit_caught" and step == 25:
+        break
     if stop:
         print("stopped gracefully", flush=True)
         break
@@ -80,16 +92,26 @@ def _train(tmp_path: Path, mode: str, *, terminate: bool) -> tuple[int, str, str
                             stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     assert proc.stdout is not None
     lines = []
-    if terminate:
-        deadline = time.monotonic() + 120
-        for line in proc.stdout:
-            lines.append(line)
-            if line.strip() == "ready" or time.monotonic() > deadline:
-                break
-        assert lines and lines[-1].strip() == "ready", "".join(lines) + proc.stderr.read()  # type: ignore[union-attr]
-        time.sleep(0.2)  # some steps past step 20, not yet committed (flush_seconds=600)
-        proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    timer = threading.Timer(600, proc.kill)  # a child that hangs cannot hang the test (a loaded machine is slow)
+    timer.start()
+    try:
+        if terminate:
+            for line in proc.stdout:  # the child prints every step: this ends at "ready", or when it dies
+                lines.append(line)
+                if line.strip() == "ready":
+                    break
+            if not lines or lines[-1].strip() != "ready":
+                proc.kill()
+                out, err = proc.communicate()
+                pytest.fail(f"the training never got ready: {''.join(lines)}{out}{err}")
+            time.sleep(0.2)  # some steps past step 20, not yet committed (flush_seconds=600)
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     return proc.returncode, "".join(lines) + out, err, run
 
 
@@ -122,6 +144,16 @@ def test_sigterm_without_a_handler_closes_the_run_as_terminated_and_dies_by_the_
     assert [(row["status"], row["status_detail"]) for row in listed] == [
         ("terminated", "terminated (signal 15, SIGTERM)")]
     assert "terminated (signal 15, SIGTERM)" in gradwatch("ls", str(tmp_path)).stdout
+
+
+@pytest.mark.slow
+def test_sigterm_inside_a_hook_of_gradwatch_closes_the_run_once_the_hook_returns(tmp_path: Path) -> None:
+    code, out, err, run = _train(tmp_path, "inside_hook", terminate=False)
+    assert code == -signal.SIGTERM, err
+    assert _last_step(out) == 29, "the step the signal stopped did not reach the loop"
+    with gw.open_run(run) as r:
+        assert r.ended == {"status": "terminated", "signal": 15}
+        assert r.steps == 31, "the step in progress was recorded whole, after its hook returned"
 
 
 @pytest.mark.slow
@@ -158,13 +190,14 @@ def test_a_framework_handler_that_chains_to_gradwatch_keeps_the_process_alive(tm
     ("exit1", {"status": "exited", "code": 1}),
     ("exitmsg", {"status": "exited", "code": 1, "message": "out of data"}),
     ("exit0", {"status": "finished"}),
+    ("exit_caught", {"status": "finished"}),
 ])
 def test_sys_exit_records_its_code(tmp_path: Path, mode: str, ended: dict[str, object]) -> None:
     code, out, err, run = _train(tmp_path, mode, terminate=False)
     assert code == ended.get("code", 0), err
     with gw.open_run(run) as r:
         assert r.ended == ended
-        assert r.steps == 21
+        assert r.steps == (26 if mode == "exit_caught" else 21)
     res = gradwatch("check", str(run))
     assert res.returncode == (1 if ended["status"] == "exited" else 0), res.stdout
     if ended["status"] == "exited":
