@@ -134,7 +134,8 @@ def test_sigterm_without_a_handler_closes_the_run_as_terminated_and_dies_by_the_
     assert res.returncode == 1
     assert "UNFINISHED" in res.stdout and "terminated (signal 15, SIGTERM)" in res.stdout
     data = json.loads(gradwatch("check", str(run), "--format", "json").stdout)
-    assert data["verdict"] == "unfinished" and data["ended"] == {"status": "terminated", "signal": 15}
+    assert data["verdict"] == "fail" and data["unfinished"] is True
+    assert data["ended"] == {"status": "terminated", "signal": 15}
     assert gradwatch("check", str(run), "--accept", "terminated").returncode == 0
     assert gradwatch("check", str(run), "--accept", "unfinished").returncode == 0
     assert gradwatch("check", str(run), "--accept", "exited").returncode == 1

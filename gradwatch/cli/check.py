@@ -56,9 +56,10 @@ class Checked:
 
     @property
     def verdict(self) -> str:
-        """``pass``, ``fail``, ``unfinished`` (no failing finding, but the run did not finish), or ``error``."""
-        return ("error" if self.error is not None else "fail" if self.failing else
-                "unfinished" if self.unfinished else "pass")
+        """``pass`` or ``fail`` (a failing finding, or a run that did not finish: PRODUCT.md's two values), or
+        ``error`` (the run cannot be read).
+        """
+        return "error" if self.error is not None else "fail" if self.failing or self.unfinished else "pass"
 
     @property
     def how(self) -> str:
@@ -66,9 +67,10 @@ class Checked:
         return verdict.describe(self.ended or {"status": self.status})
 
     def to_json(self) -> dict[str, Any]:
-        """PRODUCT.md's object for one run (plus ``status``, ``incomplete``, ``fail_on`` and ``error``)."""
+        """PRODUCT.md's object for one run (plus ``status``, ``unfinished``, ``incomplete``, ``fail_on``, ``error``)."""
         out: dict[str, Any] = {"run": self.run, "verdict": self.verdict, "steps": self.steps,
-                               "status": self.status, "incomplete": self.incomplete, "fail_on": self.fail_on,
+                               "status": self.status, "unfinished": self.unfinished,
+                               "incomplete": self.incomplete, "fail_on": self.fail_on,
                                "findings": [f.to_json() for f in self.findings]}
         if self.status in verdict.UNFINISHED and self.error is None:
             out["ended"] = self.ended or {"status": self.status}
