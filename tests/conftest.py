@@ -30,6 +30,15 @@ def _no_leftover_watchers() -> Iterator[None]:
 
 
 @pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Small models on a shared 2-core machine: one thread is faster and the same on every run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 

@@ -8,29 +8,18 @@ and its message says what went wrong and what to do.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from .realcode import Result, gpt, hf_trainer, lstm_lm, reinforce, resnet, vae
+from .realcode import Result, gpt, hf_trainer, lstm_lm, reinforce, resnet, train, vae
 
-pytestmark = pytest.mark.slow  # the real-code zoo: real models and training loops, several seconds each
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Small models on a shared 2-core machine: one thread is faster and the same on every run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# the real-code zoo: real models and training loops, several seconds each (one thread: small models on a shared machine)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-def train(script: Any, run: Path | None, **config: Any) -> Result:
-    return script.train(script.Config(run=run, **config))
 
 
 def loud(result: Result) -> list[dict[str, Any]]:

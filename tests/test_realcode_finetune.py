@@ -12,28 +12,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from .realcode import Result, bert_finetune, cnn, lstm_lm
+from .realcode import Result, bert_finetune, cnn, lstm_lm, train
 
-pytestmark = pytest.mark.slow  # real models and training loops, a few seconds each
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# real models and training loops, a few seconds each (one thread: small models on a shared machine)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-def train(script: Any, run: Path | None, **config: Any) -> Result:
-    return script.train(script.Config(run=run, **config))
 
 
 def loud(result: Result) -> list[dict[str, Any]]:

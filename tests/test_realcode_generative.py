@@ -9,27 +9,18 @@ kind, step and layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import gradwatch as gw
 
 from .realcode import dcgan, ddpm
 
-pytestmark = pytest.mark.slow  # real models and training loops, a few seconds each
+# real models and training loops, a few seconds each (one thread: small models on a shared machine)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Small models on a shared 2-core machine: one thread is faster and the same on every run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def loud(run_dir: Path) -> list[dict[str, Any]]:

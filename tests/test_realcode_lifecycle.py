@@ -7,30 +7,19 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 import gradwatch as gw
 
-from .realcode import Result, gpt, lstm_lm, vae
+from .realcode import Result, gpt, lstm_lm, train, vae
 
-pytestmark = pytest.mark.slow  # the real-code zoo: real models and training loops, several seconds each
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# the real-code zoo: real models and training loops, several seconds each (one thread: small models on a shared machine)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-def train(script: Any, run: Path | None, **config: Any) -> Result:
-    return script.train(script.Config(run=run, **config))
 
 
 def loud(result: Result) -> list[tuple[str, int, str | None]]:

@@ -60,3 +60,8 @@ def detach(model: Any, run: Path | None) -> None:
     """Stop watching ``model`` (when it was watched)."""
     if run is not None:
         gw.unwatch(model)
+
+
+def train(script: Any, run: Path | None, **config: Any) -> Result:
+    """Run a real-code script's ``train`` with its ``Config`` (``run=None``: unwatched)."""
+    return script.train(script.Config(run=run, **config))
