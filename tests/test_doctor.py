@@ -9,7 +9,7 @@ import random
 import subprocess
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,7 @@ assert _spec is not None and _spec.loader is not None
 targets = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(targets)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models run fastest, and steadiest on a shared machine, on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster and steadier
 
 
 def by_name(results: list[CheckResult]) -> dict[str, CheckResult]:

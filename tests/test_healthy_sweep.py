@@ -27,7 +27,8 @@ from torch.nn import functional as F
 
 import gradwatch as gw
 
-pytestmark = pytest.mark.slow  # about 120 small training runs
+# about 120 small training runs
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 BATCHES = (8, 16, 32, 64, 128)
@@ -327,14 +328,6 @@ def learned(losses: list[float]) -> bool:
 
 SETUPS = setups()
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models on a shared 2-core machine: one thread is faster and the same on every run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_sweep_covers_every_axis() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -238,16 +237,8 @@ def test_unused_layers_are_grouped_by_where_they_sit(unused: list[str], expected
 
 
 # --------------------------------------------------------- real code, re-judged offline
-@pytest.fixture
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow  # real models and training loops, several seconds each
-@pytest.mark.usefixtures("_one_thread")
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(("script", "config"), [
     (gpt, {"lr_scale": 1000, "max_iters": 30}),
     (resnet, {"dead_block": "layer1.0", "steps": 25}),
