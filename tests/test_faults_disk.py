@@ -42,7 +42,7 @@ def _model() -> nn.Module:
 
 
 def _train(run: Path, at_step: Any, **options: Any) -> list[warnings.WarningMessage]:
-    """300 watched steps with planted gradient explosions; ``at_step(step)`` runs after each step."""
+    """300 watched steps with planted gradient explosions; ``at_step(step, watcher)`` runs after each step."""
     torch.manual_seed(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -55,7 +55,7 @@ def _train(run: Path, at_step: Any, **options: Any) -> list[warnings.WarningMess
             loss.backward()
             gw.watcher(model).observe(loss=loss)
             opt.step()
-            at_step(step)
+            at_step(step, gw.watcher(model))
         gw.watcher(model).close()
     return [w for w in caught if issubclass(w.category, gw.GradwatchWarning)]
 
@@ -124,7 +124,7 @@ def filling(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_Disk]]:
 
 
 def _window(first: int, last: int) -> Any:
-    def at_step(step: int) -> None:
+    def at_step(step: int, watcher: gw.Watcher) -> None:
         if step == first:
             _Disk.full = True
         if step == last:
@@ -243,8 +243,9 @@ def test_a_real_filesystem_filling_up_and_freed(small_disk: Path, capsys: pytest
                                                 caplog: pytest.LogCaptureFixture) -> None:
     run, filler = small_disk / "run", small_disk / "filler"
 
-    def at_step(step: int) -> None:
+    def at_step(step: int, watcher: gw.Watcher) -> None:
         if step == 30:  # fill the disk but for 100 KB: the store runs out of room within a few steps
+            watcher.flush()  # the steps so far on disk first (else, on a loaded machine, still in TensorBoard's buffer)
             room = os.statvfs(small_disk)
             with open(filler, "wb") as fh:
                 fh.write(b"\0" * max(0, room.f_bavail * room.f_frsize - 100_000))
