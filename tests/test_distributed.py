@@ -147,22 +147,32 @@ def plant_failure(scenario: str) -> None:
         Recording.step_post = broken_post  # type: ignore[method-assign]  # run by the guard, as every hook is
 
 
-def launch(tmp_path: Path, scenario: str) -> tuple[Path, list[dict[str, Any]]]:
-    run = tmp_path / "run"
+def spawn_ranks(target: Any, args: tuple[Any, ...], out: Path, timeout: float = 120,
+                world: int = WORLD) -> list[dict[str, Any]]:
+    """Run ``target(rank, port, *args)`` in ``world`` spawned processes; each writes ``out/rank{r}.json``.
+
+    Fails if a rank hangs (a deadlock in a collective) or reports an ``error``; the ranks' results.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, str(run), scenario, str(tmp_path))) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=timeout)
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
     assert not alive, "a rank hung (deadlock in a collective?)"
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for r in results:
         assert "error" not in r, r["error"]
+    return results
+
+
+def launch(tmp_path: Path, scenario: str) -> tuple[Path, list[dict[str, Any]]]:
+    run = tmp_path / "run"
+    results = spawn_ranks(worker, (str(run), scenario, str(tmp_path)), tmp_path)
     return run, results
 
 
