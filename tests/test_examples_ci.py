@@ -21,6 +21,8 @@ import pytest
 
 import gradwatch as gw
 
+from .venvs import fresh_venv
+
 pytestmark = pytest.mark.slow  # the example project's own pytest session runs in a subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,15 +142,15 @@ def test_workflow_installs_tests_gates_and_uploads() -> None:
 def test_workflow_installs_gradwatch_from_a_git_url_and_its_steps_pass(tmp_path: Path) -> None:
     """The workflow's own install command, with GRADWATCH a git URL of this repository, in a fresh venv.
 
-    The venv sees this machine's packages (torch, pytest) and pip is told by its environment, not by
-    the command, to use no index and to build without isolation: nothing is downloaded.
+    The venv sees the packages the tests run with (torch, pytest, setuptools, wheel; see
+    tests/venvs.py) and pip is told by its environment, not by the command, to use no index and to
+    build without isolation: nothing is downloaded.
     """
     clone = tmp_path / "gradwatch-clone"
     # a full clone: pip's own clone of a shallow one loops ("shallow roots are not allowed to be updated")
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, capture_output=True, timeout=300)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
-    python = venv / "bin" / "python"
+    python = fresh_venv(venv)
     env = {**_env(), "GRADWATCH": f"gradwatch @ git+file://localhost{clone}", "PIP_NO_INDEX": "1",
            "PIP_NO_BUILD_ISOLATION": "0", "PIP_NO_DEPS": "1",
            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "VIRTUAL_ENV": str(venv),

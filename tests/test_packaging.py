@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from .venvs import fresh_venv
+
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("transformers", "lightning", "pytorch_lightning", "prometheus_client", "uvicorn", "tensorboard")
 
@@ -56,8 +58,9 @@ def test_wheel_contains_all_three_packages(tmp_path: Path) -> None:
 def test_a_built_wheel_installs_into_a_fresh_venv_and_runs(tmp_path: Path) -> None:
     """docs/install.md's wheel path: `pip wheel --no-deps -w dist .`, then `pip install` it elsewhere.
 
-    The venv sees this machine's packages (torch, pandas ...: gradwatch's dependencies) but not this
-    checkout; pip uses no index, so nothing is downloaded. gradwatch then runs from the venv.
+    The venv sees the packages the tests run with (torch, pandas ...: gradwatch's dependencies; see
+    tests/venvs.py) but not this checkout; pip uses no index, so nothing is downloaded. gradwatch
+    then runs from the venv.
     """
     source = tmp_path / "src"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
@@ -67,8 +70,7 @@ def test_a_built_wheel_installs_into_a_fresh_venv_and_runs(tmp_path: Path) -> No
                     str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = dist.glob("gradwatch-*-py3-none-any.whl")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
-    bin_dir = venv / "bin"
+    bin_dir = fresh_venv(venv).parent
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PIP_DISABLE_PIP_VERSION_CHECK="1")
     installed = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--no-index", "--no-deps",
