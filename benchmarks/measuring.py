@@ -19,8 +19,10 @@ from variants import SETUP, Loop, make_loop, with_gradwatch
 from workloads import WORKLOADS, Workload
 
 import gradwatch as gw
-from gradwatch import iteration, judge, lifecycle, origin, probe, recording, watching
+from gradwatch import watching
+from gradwatch.judging import judge
 from gradwatch.rootcause import capture
+from gradwatch.step import iteration, lifecycle, origin, probe, recording
 
 #: finding severities that a healthy benchmark run must not produce
 BAD_SEVERITIES = ("warning", "error")

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from store import synthetic_layout, synthetic_record  # noqa: E402
 
-from gradwatch.findings import Finding  # noqa: E402
 from gradwatch.store import StoreWriter, create_store  # noqa: E402
+from gradwatch.store.findings import Finding  # noqa: E402
 
 
 def build_run(path: Path, layers: int, steps: int, sample_every: int, batch: int = 512) -> float:

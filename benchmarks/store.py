@@ -20,8 +20,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from gradwatch.records import ACT_METRICS, GRAD_METRICS, LAYER, PARAM, Layout, StepRecord
 from gradwatch.store import DB_NAME, StoreWriter, create_store, open_run
+from gradwatch.store.records import ACT_METRICS, GRAD_METRICS, LAYER, PARAM, Layout, StepRecord
 
 
 def synthetic_layout(layers: int) -> Layout:

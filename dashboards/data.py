@@ -5,7 +5,7 @@ dicts and lists. Whatever the run's length, a curve has at most ``MAX_POINTS`` p
 heatmap at most ``MAX_COLUMNS`` x ``MAX_ROWS`` cells.
 
 Per-layer views over long step ranges come from :class:`Envelopes`: per (run, metric), the low
-and high of every layer in buckets of steps (:class:`gradwatch.downsample.Envelope`), kept up to
+and high of every layer in buckets of steps (:class:`gradwatch.store.downsample.Envelope`), kept up to
 date by reading only the vectors written since the last request. Short ranges (a zoom) are read
 from the store at full resolution.
 """
@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from gradwatch import downsample, verdict
 from gradwatch.errors import DamagedStoreError
 from gradwatch.report import items as explained
 from gradwatch.report import marks
 from gradwatch.report import summary as report_summary
 from gradwatch.report.data import CHUNK, HEATMAPS, MAX_COLUMNS, MAX_POINTS, MAX_ROWS, select_rows
 from gradwatch.report.remedies import explain
+from gradwatch.store import downsample, verdict
 from gradwatch.store.listing import describe_run, find_runs, updated
 from gradwatch.store.reader import Run, open_run
 from gradwatch.store.schema import DB_NAME

@@ -26,16 +26,16 @@ from gradwatch.errors import (
 from gradwatch.version import __version__
 
 if _TYPE_CHECKING:
-    from gradwatch.findings import Finding
     from gradwatch.registry import unwatch, watch, watcher
     from gradwatch.rules import Rule
+    from gradwatch.store.findings import Finding
     from gradwatch.store.reader import Run, open_run
     from gradwatch.watching import Watcher
 
 #: public names imported on first use, so that ``import gradwatch`` (the pytest plugin, the CLI)
 #: does not pay for torch until something needs it
 _LAZY = {
-    "Finding": "gradwatch.findings",
+    "Finding": "gradwatch.store.findings",
     "Rule": "gradwatch.rules",
     "Run": "gradwatch.store.reader",
     "open_run": "gradwatch.store.reader",

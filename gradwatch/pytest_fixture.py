@@ -212,8 +212,8 @@ class GradwatchFixture:
 
     def _report(self) -> str | None:
         """The failure message for this test's runs, or None when nothing reaches ``fail_on``."""
-        from gradwatch import gate
         from gradwatch.errors import RunError
+        from gradwatch.judging import gate
         from gradwatch.store.reader import open_run
 
         blocks: list[str] = []

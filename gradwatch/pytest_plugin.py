@@ -32,7 +32,7 @@ import pytest
 if TYPE_CHECKING:
     from gradwatch.pytest_fixture import GradwatchFixture
 
-#: the thresholds ``fail_on`` accepts; the same as :data:`gradwatch.gate.FAIL_ON`, repeated here so
+#: the thresholds ``fail_on`` accepts; the same as :data:`gradwatch.judging.gate.FAIL_ON`, repeated here so
 #: that checking a marker at collection imports nothing heavy
 FAIL_ON = ("warning", "error")
 

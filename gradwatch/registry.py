@@ -16,8 +16,8 @@ from gradwatch import ending, register
 from gradwatch import guard as entry
 from gradwatch.config import Config, resolve
 from gradwatch.errors import ConfigError, GradwatchWarning, InternalWarning
-from gradwatch.layout import unwrap
 from gradwatch.options import Options, run_path
+from gradwatch.step.layout import unwrap
 from gradwatch.watching import Watcher
 
 M = TypeVar("M")

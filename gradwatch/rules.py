@@ -15,7 +15,7 @@ from typing import Any
 
 from gradwatch import plugins
 from gradwatch.errors import ConfigError
-from gradwatch.findings import KINDS, SEVERITIES, Finding, rank
+from gradwatch.store.findings import KINDS, SEVERITIES, Finding, rank
 
 #: action -> {parameter: (type, default; REQUIRED if it has none)}
 REQUIRED = object()

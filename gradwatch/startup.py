@@ -13,13 +13,13 @@ from torch import nn
 from gradwatch.actions import Action
 from gradwatch.config import Config
 from gradwatch.guard import Guard
-from gradwatch.judge import build_plugin_actions
-from gradwatch.layout import Discovered, unwrap
+from gradwatch.judging.judge import build_plugin_actions
 from gradwatch.options import Options
 from gradwatch.sinks import plugin_sinks
 from gradwatch.sinks.store import Store
+from gradwatch.step.layout import Discovered, unwrap
+from gradwatch.store.thread import Writer
 from gradwatch.store.writer import create_store, default_meta
-from gradwatch.writer import Writer
 
 
 @dataclass

@@ -31,11 +31,11 @@ import gradwatch as gw
 from gradwatch import detectors, encoding
 from gradwatch.actions import Action
 from gradwatch.detectors import Detector
-from gradwatch.findings import SEVERITIES
-from gradwatch.judge import well_formed
-from gradwatch.records import StepRecord
+from gradwatch.judging.judge import well_formed
 from gradwatch.rules import action_params
-from gradwatch.writer import Writer
+from gradwatch.store.findings import SEVERITIES
+from gradwatch.store.records import StepRecord
+from gradwatch.store.thread import Writer
 
 
 def spirals(step: int, batch: int = 128, arms: int = 3) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,21 +11,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch import ending, observed, origin, startup, verdict
+from gradwatch import ending, startup
 from gradwatch.config import Config
-from gradwatch.control import LoopControl
 from gradwatch.errors import GradwatchError, GroupLeft, InternalWarning, TrainingHalted
 from gradwatch.guard import Guard
-from gradwatch.judge import Judge
-from gradwatch.layout import discover
-from gradwatch.lifecycle import Lifecycle
-from gradwatch.openstep import into
+from gradwatch.judging.judge import Judge
 from gradwatch.options import Options
-from gradwatch.origin import Tracker
 from gradwatch.rootcause import loader
 from gradwatch.rootcause.skiplist import SkipList
-from gradwatch.snapshots import Snapshots
-from gradwatch.writer import WriterDied
+from gradwatch.step import observed, origin
+from gradwatch.step.control import LoopControl
+from gradwatch.step.layout import discover
+from gradwatch.step.lifecycle import Lifecycle
+from gradwatch.step.openstep import into
+from gradwatch.step.origin import Tracker
+from gradwatch.step.snapshots import Snapshots
+from gradwatch.store import verdict
+from gradwatch.store.thread import WriterDied
 
 log = logging.getLogger("gradwatch")
 
@@ -104,7 +106,7 @@ class Watcher:
             return
         if samples and self._steps.tracker is not None:
             self._steps.tracker.note(**samples)
-        for name, value in values.items():  # the step that follows, or the one just taken (gradwatch.openstep)
+        for name, value in values.items():  # the step that follows, or the one just taken (gradwatch.step.openstep)
             into(self._steps.open, self._steps.it, name, scalars[name]).setdefault(name, []).append(value)
 
     def flush(self) -> None:

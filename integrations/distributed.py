@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradwatch.findings import Finding
+from gradwatch.store.findings import Finding
 
 
 def active() -> bool:
@@ -112,7 +112,7 @@ class Group:
         """A step's collectives begin (on every rank alike): replica check when due, then :meth:`share`
         (``moment``: which call of a step's moment began them, see :func:`moment_missed`).
         """
-        from gradwatch.measure import sharded
+        from gradwatch.step.measure import sharded
 
         self.begun_at = moment
         self._params = len(params)
@@ -241,7 +241,7 @@ class Group:
             params: the model's parameters, in the same order on every rank.
             owners: the layer each parameter belongs to (for the message), None when unknown.
         """
-        from gradwatch.measure import sharded
+        from gradwatch.step.measure import sharded
 
         self._replicas_pending = self.check_next = False
         if not params or sharded(list(params)):  # FSDP: each rank holds other shards, nothing to compare

@@ -56,10 +56,10 @@ from typing import Any
 import numpy as np
 
 from gradwatch.errors import ConfigError
-from gradwatch.findings import KINDS, SEVERITIES, Finding
 from gradwatch.options import PROMETHEUS_ADDR, PROMETHEUS_INSTALL, PROMETHEUS_MAX_LAYERS, prometheus_settings
-from gradwatch.records import LAYER, StepRecord, present
 from gradwatch.rules import PRECEDENCE
+from gradwatch.store.findings import KINDS, SEVERITIES, Finding
+from gradwatch.store.records import LAYER, StepRecord, present
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server

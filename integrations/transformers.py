@@ -38,8 +38,8 @@ from torch.utils.hooks import RemovableHandle
 
 from gradwatch import register
 from gradwatch.integrations._attach import Attachment, loss_scale
-from gradwatch.layout import first_tensor
-from gradwatch.records import PRECLIP
+from gradwatch.step.layout import first_tensor
+from gradwatch.store.records import PRECLIP
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradwatch import aggregate
-from gradwatch.aggregate import Aggregator
-from gradwatch.records import Layout
+from gradwatch.step import aggregate
+from gradwatch.step.aggregate import Aggregator
+from gradwatch.store.records import Layout
 
 
 def layout() -> Layout:

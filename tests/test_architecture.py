@@ -99,9 +99,9 @@ def test_the_cycle_finder_finds_a_circle() -> None:
 
 def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
-    assert "gradwatch.lifecycle" in graph["gradwatch.watching"]  # top level
+    assert "gradwatch.step.lifecycle" in graph["gradwatch.watching"]  # top level
     assert "gradwatch.integrations.distributed" in graph["gradwatch.startup"]  # inside a function
-    assert "gradwatch.snapshots" in graph["gradwatch.control"]  # from package import module
+    assert "gradwatch.step.snapshots" in graph["gradwatch.step.control"]  # from package import module
 
 
 def test_no_import_circles() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from gradwatch import lifecycle, probe
+from gradwatch.step import lifecycle, probe
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
 

@@ -20,7 +20,7 @@ from torch import nn
 import gradwatch as gw
 from gradwatch.cli import check as _registers_check  # noqa: F401
 from gradwatch.cli import cli
-from gradwatch.findings import KINDS
+from gradwatch.store.findings import KINDS
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION
 
 

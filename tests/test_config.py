@@ -12,8 +12,8 @@ from torch import nn
 
 import gradwatch as gw
 from gradwatch import config
-from gradwatch.findings import KINDS, SEVERITIES
 from gradwatch.rules import ACTIONS, DEFAULT_RULES, Rule, parse
+from gradwatch.store.findings import KINDS, SEVERITIES
 
 VALID_PARAMS = {
     "clip": {"max_norm": st.floats(0.001, 1e6)},

@@ -21,9 +21,9 @@ import pytest
 from starlette.testclient import TestClient
 
 import gradwatch as gw
-from gradwatch import downsample
 from gradwatch.dashboards import data
 from gradwatch.dashboards.server import create_app, start
+from gradwatch.store import downsample
 from gradwatch.store.schema import DB_NAME
 from tests.test_report import BIG_STEP, NAN_STEP, XSS_LAYER, XSS_RUN, loop, make_model, synthetic, train
 

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from gradwatch.cli.demo import intro, outro
-from gradwatch.summary import Summary
+from gradwatch.store.summary import Summary
 
 
 @pytest.mark.parametrize(("steps", "lines"), [

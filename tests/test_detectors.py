@@ -12,7 +12,7 @@ from torch import nn
 
 import gradwatch as gw
 from gradwatch.detectors.nonfinite import NonFinite
-from gradwatch.records import LAYER, PARAM, Layout, StepRecord
+from gradwatch.store.records import LAYER, PARAM, Layout, StepRecord
 
 
 def linears(*names: str) -> Layout:
@@ -224,7 +224,7 @@ def test_a_layer_that_grows_to_a_small_share_of_the_gradient_is_no_explosion() -
     import numpy as np
 
     from gradwatch.detectors.exploding import Exploding
-    from gradwatch.records import LAYER, StepRecord
+    from gradwatch.store.records import LAYER, StepRecord
 
     layout = linears("a", "b")
 
@@ -245,7 +245,7 @@ def test_a_layers_explosion_carries_that_layers_norm_and_typical_value() -> None
     import numpy as np
 
     from gradwatch.detectors.exploding import Exploding
-    from gradwatch.records import LAYER, StepRecord
+    from gradwatch.store.records import LAYER, StepRecord
 
     layout = linears("a", "b")
     detector = Exploding()
@@ -268,7 +268,7 @@ def test_a_long_cut_in_the_graph_lists_the_layers_nearest_it_and_the_first() -> 
     import numpy as np
 
     from gradwatch.detectors.vanishing import Vanishing
-    from gradwatch.records import LAYER, PARAM, StepRecord
+    from gradwatch.store.records import LAYER, PARAM, StepRecord
 
     n = 25
     names = tuple(f"l{i}" for i in range(n))
@@ -296,7 +296,7 @@ def test_baselines_carry_over_a_new_layout_of_the_same_layers() -> None:
 
     from gradwatch.detectors.exploding import Exploding
     from gradwatch.detectors.vanishing import Vanishing
-    from gradwatch.records import LAYER, StepRecord
+    from gradwatch.store.records import LAYER, StepRecord
 
     v1 = linears("a", "b", "c")
     v2 = dataclasses.replace(v1, version=2, trainable=(True, False, True))
@@ -335,7 +335,7 @@ def test_after_a_learning_rate_named_too_high_an_update_of_zero_is_not_called_a_
     from gradwatch.detectors.causes import LR_HIGH
     from gradwatch.detectors.unoptimized_parameter import UnoptimizedParameter
     from gradwatch.detectors.update_ratio import UpdateRatio
-    from gradwatch.records import LAYER, PARAM, StepRecord
+    from gradwatch.store.records import LAYER, PARAM, StepRecord
 
     layout = linears("a", "b")
     ratio = np.array([0.0, 1e-2], dtype=np.float32)  # "a" does not move at all, "b" does
@@ -395,7 +395,7 @@ def test_a_heavy_tailed_gradient_is_judged_against_its_own_bursts() -> None:
 
 def test_an_explosion_the_loops_clip_bounded_is_told_once_and_warned_of_when_it_recurs() -> None:
     from gradwatch.detectors.exploding import Exploding
-    from gradwatch.records import PRECLIP
+    from gradwatch.store.records import PRECLIP
 
     layout = linears("a")
 

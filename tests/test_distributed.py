@@ -123,8 +123,8 @@ def plant_failure(scenario: str) -> None:
     """
     import warnings
 
-    from gradwatch.judge import Judge
-    from gradwatch.recording import Recording
+    from gradwatch.judging.judge import Judge
+    from gradwatch.step.recording import Recording
 
     warnings.simplefilter("always")
     if scenario == "fail_in_step":

@@ -184,7 +184,7 @@ def _rows(page: str) -> dict[str, str]:
 
 def test_every_finding_kind_and_detector_setting_is_documented() -> None:
     from gradwatch import detectors
-    from gradwatch.findings import KINDS
+    from gradwatch.store.findings import KINDS
 
     rows = _rows("findings.md")
     for kind in KINDS:

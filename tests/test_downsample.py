@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradwatch import downsample
-from gradwatch.downsample import Columns, bucket_starts, columns, minmax
+from gradwatch.store import downsample
+from gradwatch.store.downsample import Columns, bucket_starts, columns, minmax
 
 
 def series(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -185,7 +185,7 @@ def test_records_beyond_the_memory_held_are_dropped_and_the_run_says_which(
 
 def test_a_write_that_finds_the_disk_full_raises_that_error_not_a_failed_rollback(
         tmp_path: Path, filling: type[_Disk]) -> None:
-    from gradwatch.records import Layout, StepRecord
+    from gradwatch.store.records import Layout, StepRecord
 
     layout = Layout(1, ("a",), ("Linear",), (4,), ("a.weight",), (4,), ((0, 0),), (0,))
     db = create_store(tmp_path / "run", {"model": "m"}, overwrite=False)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch.snapshots import Snapshots, rng_state
+from gradwatch.step.snapshots import Snapshots, rng_state
 
 from .test_actions import batch, one_step, regression
 
@@ -42,7 +42,7 @@ FULL_DISK = textwrap.dedent(
     import errno, resource, signal, sys
     from pathlib import Path
     import torch
-    from gradwatch.snapshots import Snapshots, rng_state
+    from gradwatch.step.snapshots import Snapshots, rng_state
 
     folder = Path(sys.argv[1])
     model = torch.nn.Linear(256, 256)

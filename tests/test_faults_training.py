@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch import snapshots as snapshots_module
-from gradwatch.judge import Judge
-from gradwatch.writer import Writer
+from gradwatch.judging.judge import Judge
+from gradwatch.step import snapshots as snapshots_module
+from gradwatch.store.thread import Writer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,7 +190,7 @@ _KILLED_AT_PRINT = textwrap.dedent("""
     import torch
     from torch import nn
     import gradwatch as gw
-    from gradwatch.judge import Judge
+    from gradwatch.judging.judge import Judge
     from gradwatch.sinks.store import Store
 
     write_findings = Store.write_findings

@@ -1,5 +1,5 @@
 """A loss observed after ``optimizer.step()`` (or after ``backward()`` in a loop that updates by hand)
-belongs to the step whose forward pass computed it, not to the next one (gradwatch.openstep).
+belongs to the step whose forward pass computed it, not to the next one (gradwatch.step.openstep).
 """
 
 from __future__ import annotations

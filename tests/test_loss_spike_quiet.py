@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from gradwatch.detectors.loss_spike import LossSpike
-from gradwatch.records import Layout, StepRecord
+from gradwatch.store.records import Layout, StepRecord
 
 LAYOUT = Layout(version=1, layers=("a",), layer_types=("Linear",), layer_numel=(10,), params=("a.weight",),
                 param_numel=(10,), owners=((0, 0),), leaves=(0,), trainable=(True,))

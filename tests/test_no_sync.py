@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradwatch as gw
-from gradwatch import iteration, lifecycle, probe
+from gradwatch.step import iteration, lifecycle, probe
 
 #: the tensor methods through which a value reaches the host
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__array__")

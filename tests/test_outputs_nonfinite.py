@@ -39,12 +39,12 @@ from gradwatch.cli import cli
 from gradwatch.cli import report as _registers_report  # noqa: F401
 from gradwatch.cli.check import judge_run, render_github, render_json, render_junit, render_text
 from gradwatch.dashboards.server import create_app
-from gradwatch.findings import KINDS, SEVERITIES, Finding
-from gradwatch.records import LAYER, Layout, StepRecord
 from gradwatch.report import items as report_items
 from gradwatch.report import render
 from gradwatch.sinks.tensorboard import TensorBoard
+from gradwatch.store.findings import KINDS, SEVERITIES, Finding
 from gradwatch.store.reader import open_run
+from gradwatch.store.records import LAYER, Layout, StepRecord
 from gradwatch.store.writer import StoreWriter, create_store
 
 NAN_STEP = 5

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch.findings import KINDS, SEVERITIES, Finding
+from gradwatch.store.findings import KINDS, SEVERITIES, Finding
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="pip install 'gradwatch[prometheus]'")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

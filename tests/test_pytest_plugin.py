@@ -24,8 +24,9 @@ import pytest
 from torch.nn.modules import module as torch_module
 
 import gradwatch as gw
-from gradwatch import gate, registry
 from gradwatch import pytest_plugin as plugin
+from gradwatch import registry
+from gradwatch.judging import gate
 
 pytest_plugins = ["pytester"]
 

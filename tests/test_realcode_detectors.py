@@ -18,8 +18,8 @@ from gradwatch.detectors.loss_spike import LossSpike
 from gradwatch.detectors.unoptimized_parameter import HELD, UnoptimizedParameter
 from gradwatch.detectors.unused_parameter import group
 from gradwatch.detectors.zero_gradient import ZeroGradient
-from gradwatch.records import CLOSURE_EVALUATIONS, LAYER, PARAM, Layout, StepRecord
-from gradwatch.rejudge import rejudge
+from gradwatch.judging.rejudge import rejudge
+from gradwatch.store.records import CLOSURE_EVALUATIONS, LAYER, PARAM, Layout, StepRecord
 
 from .realcode import gpt, reinforce, resnet
 

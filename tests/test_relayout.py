@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch import relayout
+from gradwatch.step import relayout
 
 
 def net() -> nn.Sequential:

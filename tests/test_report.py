@@ -22,12 +22,12 @@ import gradwatch as gw
 from gradwatch.cli import cli
 from gradwatch.cli import report as _registers_report  # noqa: F401
 from gradwatch.errors import GradwatchError
-from gradwatch.findings import Finding
-from gradwatch.records import LAYER, Layout, StepRecord
 from gradwatch.report import data as report_data
 from gradwatch.report import items as report_items
 from gradwatch.report import render, write
 from gradwatch.report.remedies import explain
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import LAYER, Layout, StepRecord
 from gradwatch.store.writer import StoreWriter, create_store
 
 NAN_STEP, BIG_STEP = 25, 40

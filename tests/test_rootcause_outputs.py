@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from torch import nn
 
 import gradwatch as gw
-from gradwatch import gate
 from gradwatch.cli import check as _registers_check  # noqa: F401
 from gradwatch.cli import cli
 from gradwatch.dashboards import data as dashboard
+from gradwatch.judging import gate
 from gradwatch.report.render import render
 from gradwatch.rootcause import words
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gradwatch import stats
+from gradwatch.step import stats
 
 
 def test_a_small_output_is_counted_whole() -> None:

@@ -217,7 +217,7 @@ def test_runs_are_closed_at_interpreter_exit(tmp_path: Path, how: str, status: s
 def test_an_internal_error_detaches_gradwatch_and_training_goes_on(run_dir: Path, monkeypatch) -> None:
     model = gw.watch(mlp(), run=run_dir)
     opt = train(model, data, nn.functional.mse_loss, steps=3)
-    from gradwatch import stats
+    from gradwatch.step import stats
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("simulated gradwatch bug")

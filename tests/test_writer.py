@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from gradwatch.records import Layout, StepRecord
-from gradwatch.writer import Writer
+from gradwatch.store.records import Layout, StepRecord
+from gradwatch.store.thread import Writer
 
 LAYOUT = Layout(1, ("a",), ("Linear",), (4,), ("a.weight",), (4,), ((0, 0),), (0,))
 

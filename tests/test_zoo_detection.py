@@ -15,8 +15,8 @@ import pytest
 
 import gradwatch as gw
 from gradwatch import detectors
+from gradwatch.judging.rejudge import rejudge
 from gradwatch.options import DEFAULT_SAMPLE_PERIOD
-from gradwatch.rejudge import rejudge
 
 from .zoo import HEALTHY, LR_JUMP, PATHOLOGIES, Case, run
 

@@ -1,6 +1,6 @@
 """Actions: what a rule does about a step's findings — one file per action, listed in REGISTRY.
 
-An action only acts, through the :class:`~gradwatch.control.Control` of the training style
+An action only acts, through the :class:`~gradwatch.step.control.Control` of the training style
 (a plain loop here; Lightning and the HF Trainer adapt it in ``gradwatch.integrations``). Every
 action runs inside the optimizer's step pre-hook, before the update is applied, and after its
 findings are on disk. :meth:`Action.apply` returns what it did, as plain data for the findings.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Protocol
 
-from gradwatch.findings import Finding
+from gradwatch.store.findings import Finding
 
 
 class Params(Protocol):

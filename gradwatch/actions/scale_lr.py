@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradwatch.actions.base import Action, Control, Params
-from gradwatch.findings import Finding
+from gradwatch.store.findings import Finding
 
 
 class ScaleLr(Action):

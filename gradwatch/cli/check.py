@@ -14,12 +14,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gradwatch import encoding, gate, verdict
+from gradwatch import encoding
 from gradwatch.cli import USAGE_ERROR, cli
 from gradwatch.errors import GradwatchError
 from gradwatch.files import write_text_atomic
-from gradwatch.findings import KINDS, rank
-from gradwatch.store import owned
+from gradwatch.judging import gate
+from gradwatch.store import owned, verdict
+from gradwatch.store.findings import KINDS, rank
 from gradwatch.store.listing import find_runs
 from gradwatch.store.reader import Run, open_run
 from gradwatch.store.schema import DB_NAME
@@ -119,7 +120,7 @@ def expand(paths: tuple[str, ...]) -> list[str]:
 def _findings(run: Run, rules: Path | None) -> Any:
     if rules is None:
         return run.findings()
-    from gradwatch.rejudge import rejudge
+    from gradwatch.judging.rejudge import rejudge
 
     return rejudge(run, rules)
 
@@ -288,7 +289,7 @@ def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, ru
     if output is not None:  # never over a run's own files (its store ...)
         owned.refuse(output, "the check report", [*runs, *expand(runs)])
     if rules is not None:
-        from gradwatch.rejudge import validate
+        from gradwatch.judging.rejudge import validate
 
         validate(rules)  # a bad rules file is a usage error before any run is read
     results = [judge_run(path, fail_on, rules, accept) for path in expand(runs)]

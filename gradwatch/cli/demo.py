@@ -13,7 +13,7 @@ from rich.table import Table
 from gradwatch import encoding
 from gradwatch.cli import cli
 from gradwatch.store.reader import open_run
-from gradwatch.summary import Summary, summarize
+from gradwatch.store.summary import Summary, summarize
 
 
 @cli.command()

@@ -1,6 +1,6 @@
 """Detectors: observe step records and report findings — one file per kind, listed in REGISTRY.
 
-A detector only observes: :meth:`Detector.check` takes a :class:`~gradwatch.records.StepRecord`
+A detector only observes: :meth:`Detector.check` takes a :class:`~gradwatch.store.records.StepRecord`
 (plain numbers) and returns findings. It keeps whatever history it needs itself. Its tunable
 settings are its dataclass fields, set from ``detectors={kind: {field: value}}`` or a
 ``[detectors.<kind>]`` table in a config file.

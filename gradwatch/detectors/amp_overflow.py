@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.findings import Finding
-from gradwatch.records import AMP_SCALE, StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import AMP_SCALE, StepRecord
 
 HINT = (
     "occasional skips while the scaler calibrates are normal; a run of them means gradients are "

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from gradwatch.detectors.causes import Causes
-from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import StepRecord
 
 
 @dataclasses.dataclass(frozen=True)

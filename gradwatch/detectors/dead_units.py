@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.findings import Finding
-from gradwatch.records import PARAM, StepRecord, present
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import PARAM, StepRecord, present
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 

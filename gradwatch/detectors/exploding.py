@@ -10,8 +10,8 @@ import numpy as np
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.baseline import Recent, Window
 from gradwatch.detectors.causes import EXPLOSION, raised_lr
-from gradwatch.findings import Finding
-from gradwatch.records import PRECLIP, Layout, StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import PRECLIP, Layout, StepRecord
 from gradwatch.wording import layer as _layer
 
 #: the longest baseline window: it holds window x layers numbers

@@ -9,8 +9,8 @@ import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import EXPLOSION, LEVEL_LOSSES, LR_HIGH, LR_LOW, QUIET_STEPS, RAISED
-from gradwatch.findings import Finding
-from gradwatch.records import CLOSURE_EVALUATIONS, PARAM, StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import CLOSURE_EVALUATIONS, PARAM, StepRecord
 
 HINT_HIGH = (
     "lower the learning rate (by 10x to start with) or add a warmup; with Adam-type optimizers the first "

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.baseline import Values
 from gradwatch.detectors.causes import LR_HIGH, raised_lr
-from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import StepRecord
 
 HINT = (
     "look at the batch of this step (corrupted samples or labels), lower the learning rate, "

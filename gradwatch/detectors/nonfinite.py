@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from gradwatch.detectors.base import Detector
-from gradwatch.findings import Finding
-from gradwatch.records import PARAM, StepRecord, present
 from gradwatch.rootcause import words
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import PARAM, StepRecord, present
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 
@@ -46,7 +46,7 @@ HINT_WEIGHTS = (
 class NonFinite(Detector):
     """NaN/Inf in the loss, gradients or (on sampled steps) activations: always an error.
 
-    Its ``layer`` is the origin found by replaying the step (see :mod:`gradwatch.origin`): the
+    Its ``layer`` is the origin found by replaying the step (see :mod:`gradwatch.step.origin`): the
     first module whose output went non-finite while its inputs were finite (forward), or the
     first module in backward order whose input gradient went non-finite while its output
     gradient was finite (backward); None when the model's input or the loss was the origin.
@@ -129,7 +129,7 @@ class NonFinite(Detector):
         there: the latest non-finite step seen with finite weights, unless its update was skipped.
 
         The steps of one stretch of NaN/Inf weights keep the layer of its first (their findings fold
-        into it, see :class:`gradwatch.findings.Cooldown`).
+        into it, see :class:`gradwatch.store.findings.Cooldown`).
         """
         root = dict(origin.get("root_cause") or {})
         if "poisoned_at" in root:  # re-judged: as found during training

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.findings import Finding
-from gradwatch.records import GRAD_STALE, StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import GRAD_STALE, StepRecord
 from gradwatch.wording import plural
 
 HINT = (

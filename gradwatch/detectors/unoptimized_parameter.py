@@ -8,8 +8,8 @@ import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import LR_HIGH
-from gradwatch.findings import Finding
-from gradwatch.records import PARAM, StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import PARAM, StepRecord
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 

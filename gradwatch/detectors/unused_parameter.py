@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.findings import Finding
-from gradwatch.records import PARAM, Layout, StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import PARAM, Layout, StepRecord
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 

@@ -8,8 +8,8 @@ import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import LR_HIGH, LR_LOW
-from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import StepRecord
 from gradwatch.wording import layer as _layer
 
 HINT_HIGH = "the step rewrites the weights wholesale: lower the learning rate (a healthy ratio is around 1e-3)"

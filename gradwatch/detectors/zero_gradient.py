@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
-from gradwatch.findings import Finding
-from gradwatch.records import CLIP_COEF, PRECLIP, StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import CLIP_COEF, PRECLIP, StepRecord
 from gradwatch.wording import plural
 
 HINT = (

@@ -17,8 +17,8 @@ from torch.autograd import Function
 from gradwatch.doctor.results import RELU_FAMILY, DoctorOptions, LossFn
 from gradwatch.doctor.target import _map_tensors, _one_line, compute_loss
 from gradwatch.errors import ConfigError
-from gradwatch.layout import ROOT, bounds
-from gradwatch.origin import tensors
+from gradwatch.step.layout import ROOT, bounds
+from gradwatch.step.origin import tensors
 
 
 # ----------------------------------------------------------------------------------------------- the context

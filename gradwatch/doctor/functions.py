@@ -14,7 +14,7 @@ from torch.autograd.gradcheck import GradcheckError
 from gradwatch.doctor.context import _Call, _Context, _Saved
 from gradwatch.doctor.results import _SLOW_REPORT, FAIL, GRADCHECK_ATOL, HINTS, PASS, WARN, CheckResult
 from gradwatch.doctor.target import _names, _one_line
-from gradwatch.origin import tensors
+from gradwatch.step.origin import tensors
 
 
 def check_autograd_functions(ctx: _Context) -> CheckResult:

@@ -16,7 +16,7 @@ from torch import nn
 
 from gradwatch.doctor.results import NAME_CAP, LossFn
 from gradwatch.errors import ConfigError
-from gradwatch.origin import tensors
+from gradwatch.step.origin import tensors
 
 
 # ---------------------------------------------------------------------------------------------- the contract

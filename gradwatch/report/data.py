@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from gradwatch import downsample, verdict
 from gradwatch.report import items as explained
 from gradwatch.report import summary
 from gradwatch.report.items import Item
+from gradwatch.store import downsample, verdict
 from gradwatch.store.reader import Run
 
 #: points per curve on the step axis (extrema kept)

@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 
 from gradwatch.encoding import whole
-from gradwatch.findings import rank
 from gradwatch.report.remedies import explain
 from gradwatch.report.text import fmt
 from gradwatch.rootcause import words
+from gradwatch.store.findings import rank
 from gradwatch.store.reader import Run
 
 #: findings explained one by one (all are listed in the table)

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from gradwatch.encoding import whole
-from gradwatch.findings import rank
+from gradwatch.store.findings import rank
 
 #: a positive series whose largest value is more than this many times its smallest is drawn on a log scale
 LOG_SPAN = 1e3

@@ -6,9 +6,9 @@ from typing import Any
 
 import pandas as pd
 
-from gradwatch import verdict
 from gradwatch.report.items import Item
 from gradwatch.report.text import duration, fmt, stamp
+from gradwatch.store import verdict
 from gradwatch.store.reader import Run
 
 

@@ -16,5 +16,5 @@ The pieces, in the order a replay uses them:
 - :mod:`~gradwatch.rootcause.words`: how findings say it; :mod:`~gradwatch.rootcause.skiplist`:
   samples left out afterwards.
 
-:class:`gradwatch.origin.Tracker` drives them.
+:class:`gradwatch.step.origin.Tracker` drives them.
 """

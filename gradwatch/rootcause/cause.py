@@ -7,7 +7,7 @@
 - **precision**: the origin module, replayed alone in float32 (float64 when it already ran in
   float32) with autocast off, stays finite;
 - **not reproducible**: the replay (same inputs, same RNG) is finite where the step was not
-  (decided by :class:`gradwatch.origin.Tracker`);
+  (decided by :class:`gradwatch.step.origin.Tracker`);
 - **model**: reproducible in full precision with finite inputs: a bug at the line found, or
   diverged weights (the parameter norms that grew since gradwatch began watching are named);
 - **weights**: the weights already hold NaN/Inf when the step begins (an earlier update applied
@@ -23,10 +23,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from gradwatch.layout import first_tensor
 from gradwatch.rootcause.facts import g
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.state import LOW_PRECISION, Autocast, Rng, devices, finite, floats
+from gradwatch.step.layout import first_tensor
 from gradwatch.wording import layer
 
 DATA, PRECISION, NOT_REPRODUCIBLE, MODEL, WEIGHTS = "data", "precision", "not_reproducible", "model", "weights"

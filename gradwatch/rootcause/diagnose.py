@@ -7,12 +7,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.layout import ROOT
 from gradwatch.rootcause import cause, nodes, ops
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.samples import blamed, concentrated, nonfinite_rows, outliers
 from gradwatch.rootcause.state import Rng
+from gradwatch.step.layout import ROOT
 from gradwatch.wording import layer
 
 

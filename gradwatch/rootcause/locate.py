@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.layout import ROOT, first_tensor
 from gradwatch.rootcause.capture import KEEP_GRADS, Capture
 from gradwatch.rootcause.state import finite
+from gradwatch.step.layout import ROOT, first_tensor
 
 
 @dataclass

@@ -16,10 +16,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from gradwatch.layout import first_tensor
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.samples import batch_dim, blamed, concentrated
 from gradwatch.rootcause.state import Rng
+from gradwatch.step.layout import first_tensor
 
 #: the largest batch blamed per sample
 MAX_BATCH = 4096

@@ -6,7 +6,7 @@ from typing import Any
 
 from gradwatch.wording import layer
 
-#: the keys of an origin (see :class:`gradwatch.origin.Tracker`) that a finding's data carries as they are
+#: the keys of an origin (see :class:`gradwatch.step.origin.Tracker`) that a finding's data carries as they are
 CARRIED = ("root_cause", "samples", "replay_ms", "source")
 #: sample indices and ids named in a message at most
 NAMED = 5

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from gradwatch.records import StepRecord
+from gradwatch.store.records import StepRecord
 
 
 class Sink(Protocol):

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from gradwatch.errors import DiskFullWarning
-from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import StepRecord
 from gradwatch.store.writer import StoreWriter, disk_full
 
 log = logging.getLogger("gradwatch")

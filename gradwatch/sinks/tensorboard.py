@@ -30,8 +30,8 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 
-from gradwatch.findings import Finding
-from gradwatch.records import LAYER, StepRecord, present
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import LAYER, StepRecord, present
 from gradwatch.store.writer import disk_full
 
 log = logging.getLogger("gradwatch")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gradwatch import verdict
 from gradwatch.errors import DamagedStoreError, GradwatchError
-from gradwatch.findings import rank
+from gradwatch.store import verdict
+from gradwatch.store.findings import rank
 from gradwatch.store.reader import open_run
 from gradwatch.store.schema import DB_NAME
 

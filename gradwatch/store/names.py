@@ -6,7 +6,7 @@ import difflib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from gradwatch.records import ACT_METRICS, GRAD_METRICS, LAYER, PARAM, PRECLIP
+from gradwatch.store.records import ACT_METRICS, GRAD_METRICS, LAYER, PARAM, PRECLIP
 
 #: global scalars gradwatch itself records (observed ones such as ``acc`` are the run's own)
 KNOWN_SCALARS = ("grad_norm", "loss", "lr", PRECLIP)

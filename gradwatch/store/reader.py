@@ -14,10 +14,10 @@ import numpy as np
 import pandas as pd
 
 from gradwatch.errors import RunError, SchemaError
-from gradwatch.records import LAYER, PARAM, Layout, StepRecord
 from gradwatch.store import decode
 from gradwatch.store.lock import writer_alive
 from gradwatch.store.names import owner_name
+from gradwatch.store.records import LAYER, PARAM, Layout, StepRecord
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION
 from gradwatch.store.series import Series, where_clause
 
@@ -123,7 +123,7 @@ class Run(Series):
     @property
     def ended(self) -> dict[str, Any]:
         """``status``, with the verdict's ``signal``, ``code``, ``message`` or ``exception`` (docs/reading.md)."""
-        from gradwatch import verdict
+        from gradwatch.store import verdict
         return verdict.ended(self.status, verdict.read(self.path))
 
     @property
@@ -140,7 +140,7 @@ class Run(Series):
     @property
     def verdict(self) -> dict[str, Any] | None:
         """The run's ``verdict.json`` (status, worst severity, finding counts, halt), None while running."""
-        from gradwatch import verdict
+        from gradwatch.store import verdict
 
         return verdict.read(self.path)
 

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from gradwatch.records import LAYER, PARAM
 from gradwatch.store import decode
 from gradwatch.store import names as _names
+from gradwatch.store.records import LAYER, PARAM
 
 
 @dataclass

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from gradwatch.errors import RunError
-from gradwatch.findings import Finding
-from gradwatch.records import LAYER, PARAM, Layout, StepRecord, present
 from gradwatch.store import lock as run_lock
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import LAYER, PARAM, Layout, StepRecord, present
 from gradwatch.store.reuse import claim
 from gradwatch.store.schema import DB_NAME, DDL, SCHEMA_VERSION, pack
 

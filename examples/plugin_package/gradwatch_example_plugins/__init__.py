@@ -26,9 +26,9 @@ from typing import Any
 
 from gradwatch.actions import Action, Control
 from gradwatch.detectors import Detector
-from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
 from gradwatch.rules import REQUIRED, Rule
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import StepRecord
 
 
 @dataclass

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from gradwatch import guard as entry
 from gradwatch import register
-from gradwatch.findings import Finding
-from gradwatch.records import StepRecord
 from gradwatch.sinks import Sink
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import StepRecord
 
 log = logging.getLogger("gradwatch")
 

@@ -22,17 +22,18 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradwatch import guard as entry
-from gradwatch import register, snapshots
-from gradwatch.buffers import Buffers
+from gradwatch import register
 from gradwatch.errors import RunError, TrainingHalted
-from gradwatch.findings import Finding
+from gradwatch.step import snapshots
+from gradwatch.step.buffers import Buffers
+from gradwatch.store.findings import Finding
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from torch import nn
 
-    from gradwatch.snapshots import Snapshots
+    from gradwatch.step.snapshots import Snapshots
 
 
 class Loop(Protocol):

@@ -33,12 +33,12 @@ from torch.utils.hooks import RemovableHandle
 
 from gradwatch import guard as entry
 from gradwatch import register
-from gradwatch.activations import Collected, Reduced
 from gradwatch.guard import Hook, RootHook
-from gradwatch.layout import bounds, first_tensor
+from gradwatch.step.activations import Collected, Reduced
+from gradwatch.step.layout import bounds, first_tensor
 
 # gradwatch's hooks are the guard's (the one door from torch into gradwatch); a model pickled by an
-# older gradwatch holds ``gradwatch.probe._unwatched_copy``, which still loads
+# older gradwatch holds ``gradwatch.step.probe._unwatched_copy``, which still loads
 _unwatched_copy = entry.unwatched_copy
 
 

@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from gradwatch import guard as entry
-from gradwatch import preclip, register
-from gradwatch.buffers import Buffers
-from gradwatch.layout import Discovered
-from gradwatch.observed import Observed, merge
+from gradwatch import register
 from gradwatch.options import Options
-from gradwatch.origin import Tracker
-from gradwatch.probe import Probe
+from gradwatch.step import preclip
+from gradwatch.step.buffers import Buffers
+from gradwatch.step.layout import Discovered
+from gradwatch.step.observed import Observed, merge
+from gradwatch.step.origin import Tracker
+from gradwatch.step.probe import Probe
 
 log = logging.getLogger("gradwatch")
 
@@ -106,7 +107,7 @@ class Iteration:
         self.forwarded = self.seen = False
         self._activations = options.activations
         self.sentinel = 0
-        #: the reference gradients' norms at the end of the last backward pass (:mod:`gradwatch.preclip`)
+        #: the reference gradients' norms at the end of the last backward pass (:mod:`gradwatch.step.preclip`)
         self.refs: preclip.References | None = None
         self._ref_idx: list[int] = []
         self.relayout(found)
@@ -221,7 +222,7 @@ class Iteration:
         self.probe.quiet = False  # the next forward call closes the step
         self.backward, self.served = None, False
         # the step's forward call was seen: the next one closes the step, a value observed before it is
-        # the step's (gradwatch.openstep); not so where a compiled graph traces the root's hooks (guard.RootHook)
+        # the step's (gradwatch.step.openstep); not so where a compiled graph traces the root's hooks (guard.RootHook)
         self.seen, self.forwarded = self.forwarded, False
         self.stale, self.uncleared, self.at_step = (self.stale + 1 if self.uncleared else 0), False, None
         self.merge_carry()

@@ -21,7 +21,7 @@ PRECLIP = "grad_norm_preclip"
 #: the GradScaler's loss scale, recorded on the steps it skipped
 AMP_SCALE = "amp_scale"
 #: the factor the loop scaled every gradient by between backward and the step (``clip_grad_norm_``),
-#: recorded when it is not 1 (see :mod:`gradwatch.preclip`)
+#: recorded when it is not 1 (see :mod:`gradwatch.step.preclip`)
 CLIP_COEF = "clip_coef"
 #: how many times ``optimizer.step(closure)`` evaluated its closure (more than once: a line search, as in
 #: L-BFGS, sized the step); recorded on closure steps, complete once the step has ended

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradwatch.records import CLIP_COEF, PRECLIP
-from gradwatch.stats import norms
+from gradwatch.step.stats import norms
+from gradwatch.store.records import CLIP_COEF, PRECLIP
 
 #: two references agree on a uniform scaling when their factors differ by less than this (relative)
 AGREE = 1e-3

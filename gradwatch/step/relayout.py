@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from gradwatch.errors import ConfigError
-from gradwatch.layout import Discovered, discover
+from gradwatch.step.layout import Discovered, discover
 
 
 def rediscovered(model: nn.Module, found: Discovered) -> Discovered | None:

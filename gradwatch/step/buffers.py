@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.layout import unwrap
+from gradwatch.step.layout import unwrap
 
 
 class Buffers:

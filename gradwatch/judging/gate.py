@@ -14,7 +14,7 @@ import pandas as pd
 
 from gradwatch.encoding import whole
 from gradwatch.errors import ConfigError
-from gradwatch.findings import SEVERITIES, rank
+from gradwatch.store.findings import SEVERITIES, rank
 
 #: the thresholds ``--fail-on`` accepts
 FAIL_ON = ("warning", "error")

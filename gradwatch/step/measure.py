@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gradwatch import stats
-from gradwatch.activations import Reduced
-from gradwatch.aggregate import Aggregator
-from gradwatch.layout import Discovered
-from gradwatch.records import LAYER, PARAM
+from gradwatch.step import stats
+from gradwatch.step.activations import Reduced
+from gradwatch.step.aggregate import Aggregator
+from gradwatch.step.layout import Discovered
+from gradwatch.store.records import LAYER, PARAM
 
 #: the activation statistics of a step's leaf calls
 Activations = list[Reduced]

@@ -24,12 +24,12 @@ from gradwatch.actions import Control
 from gradwatch.config import Config
 from gradwatch.detectors.exploding import Exploding
 from gradwatch.errors import PluginWarning, TrainingHalted
-from gradwatch.findings import SEVERITIES, Cooldown, Finding, rank
 from gradwatch.options import Options
-from gradwatch.records import StepRecord
 from gradwatch.rules import PRECEDENCE, Decision, decide
+from gradwatch.store.findings import SEVERITIES, Cooldown, Finding, rank
+from gradwatch.store.records import StepRecord
+from gradwatch.store.thread import Writer
 from gradwatch.store.writer import finding_json
-from gradwatch.writer import Writer
 
 _STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
 
@@ -75,7 +75,7 @@ class Judge:
 
     def check_loss(self, record: StepRecord) -> list[Finding]:
         """Judge a loss that reached its step after the step's moment (observed after
-        ``optimizer.step()``: :mod:`gradwatch.openstep`): the loss detector, and the non-finite one
+        ``optimizer.step()``: :mod:`gradwatch.step.openstep`): the loss detector, and the non-finite one
         when the loss is not finite while the gradients were (else the step's finding said so).
         """
         bad = not math.isfinite(record.scalars["loss"]) and record.gradients_finite()

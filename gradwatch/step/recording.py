@@ -14,30 +14,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradwatch import observed as obs
-from gradwatch import stats
-from gradwatch.control import LoopControl
-from gradwatch.findings import Finding
 from gradwatch.guard import Guard, guarded
-from gradwatch.iteration import Iteration
-from gradwatch.judge import Judge
-from gradwatch.layout import Discovered
-from gradwatch.measure import Measure
-from gradwatch.openstep import Open
-from gradwatch.optimizers import Optimizers
+from gradwatch.judging.judge import Judge
 from gradwatch.options import Options
-from gradwatch.origin import Tracker
-from gradwatch.records import AMP_SCALE, StepRecord
-from gradwatch.relayout import rediscovered
-from gradwatch.snapshots import Snapshots
-from gradwatch.writer import Writer
+from gradwatch.step import observed as obs
+from gradwatch.step import stats
+from gradwatch.step.control import LoopControl
+from gradwatch.step.iteration import Iteration
+from gradwatch.step.layout import Discovered
+from gradwatch.step.measure import Measure
+from gradwatch.step.openstep import Open
+from gradwatch.step.optimizers import Optimizers
+from gradwatch.step.origin import Tracker
+from gradwatch.step.relayout import rediscovered
+from gradwatch.step.snapshots import Snapshots
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import AMP_SCALE, StepRecord
+from gradwatch.store.thread import Writer
 
 log = logging.getLogger("gradwatch")
 
 
 class Recording:
     """The state of a watched model's steps, and how each one ends; the story of a step that
-    uses it is :class:`gradwatch.lifecycle.Lifecycle`.
+    uses it is :class:`gradwatch.step.lifecycle.Lifecycle`.
     """
 
     options: Options
@@ -275,7 +275,7 @@ class Recording:
             self.judge.defer(late)
 
     def _judge_loss(self, step: Open, loss: float | None) -> list[Finding]:
-        """Judge a loss that reached a measured step after its moment (:mod:`gradwatch.openstep`)."""
+        """Judge a loss that reached a measured step after its moment (:mod:`gradwatch.step.openstep`)."""
         measured = "grad_norm" in step.record.scalars  # not a step an integration left out
         return self.judge.check_loss(step.record) if loss is not None and measured else []
 

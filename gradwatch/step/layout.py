@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gradwatch.errors import ConfigError
-from gradwatch.records import Layout
+from gradwatch.store.records import Layout
 
 ROOT = "(root)"
 

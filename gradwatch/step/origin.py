@@ -32,8 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.findings import Finding
-from gradwatch.layout import unwrap
 from gradwatch.rootcause import pergrad, words
 from gradwatch.rootcause.capture import (
     KEEP_GRAD_NUMEL,
@@ -48,6 +46,8 @@ from gradwatch.rootcause.diagnose import diagnose, not_reproducible, poisoned, r
 from gradwatch.rootcause.locate import Located, locate
 from gradwatch.rootcause.samples import describe
 from gradwatch.rootcause.state import Autocast, Rng, devices, finite, preserved, tensors
+from gradwatch.step.layout import unwrap
+from gradwatch.store.findings import Finding
 
 __all__ = ["Capture", "Tracker", "finite", "tensors"]
 

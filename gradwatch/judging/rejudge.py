@@ -17,13 +17,13 @@ import pandas as pd
 from gradwatch import config as config_mod
 from gradwatch import detectors
 from gradwatch.errors import ConfigError
-from gradwatch.findings import Cooldown, Finding
-from gradwatch.gate import text_or_none
+from gradwatch.judging.gate import text_or_none
 from gradwatch.options import Options
-from gradwatch.records import LAYER, PARAM, StepRecord
 from gradwatch.rootcause import words
 from gradwatch.rules import decide
+from gradwatch.store.findings import Cooldown, Finding
 from gradwatch.store.reader import FINDING_COLUMNS, Run
+from gradwatch.store.records import LAYER, PARAM, StepRecord
 
 
 def read_file(path: str | Path) -> tuple[config_mod.Config, dict[str, dict[str, Any]], int | None]:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from gradwatch.records import Layout
+from gradwatch.store.records import Layout
 
 #: layers x parameters up to which the usual step's sums are a matrix-vector product (2 MiB of float64)
 DENSE = 1 << 18

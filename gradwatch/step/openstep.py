@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from gradwatch import observed as obs
-from gradwatch.records import StepRecord
+from gradwatch.step import observed as obs
+from gradwatch.store.records import StepRecord
 
 if TYPE_CHECKING:
-    from gradwatch.iteration import Iteration
+    from gradwatch.step.iteration import Iteration
 
 
 def into(step: Open | None, it: Iteration, name: str, value: Any) -> obs.Observed:

@@ -15,25 +15,25 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradwatch import observed as obs
-from gradwatch import preclip, stats
-from gradwatch.control import LoopControl
 from gradwatch.errors import GradwatchWarning, GroupLeft, RunError, TrainingHalted
-from gradwatch.findings import Finding
 from gradwatch.guard import Guard, guarded
-from gradwatch.iteration import Iteration
-from gradwatch.judge import Judge
-from gradwatch.layout import Discovered, unwrap
-from gradwatch.measure import Launched, Measure
-from gradwatch.openstep import Open
-from gradwatch.optimizers import Optimizers, closure_at, measured_closure, replace_closure
+from gradwatch.judging.judge import Judge
 from gradwatch.options import Options
-from gradwatch.origin import Tracker
-from gradwatch.recording import Recording
-from gradwatch.records import AMP_SCALE, CLOSURE_EVALUATIONS, GRAD_STALE, StepRecord
-from gradwatch.relayout import Looks
-from gradwatch.snapshots import Snapshots, rng_state
-from gradwatch.writer import Writer
+from gradwatch.step import observed as obs
+from gradwatch.step import preclip, stats
+from gradwatch.step.control import LoopControl
+from gradwatch.step.iteration import Iteration
+from gradwatch.step.layout import Discovered, unwrap
+from gradwatch.step.measure import Launched, Measure
+from gradwatch.step.openstep import Open
+from gradwatch.step.optimizers import Optimizers, closure_at, measured_closure, replace_closure
+from gradwatch.step.origin import Tracker
+from gradwatch.step.recording import Recording
+from gradwatch.step.relayout import Looks
+from gradwatch.step.snapshots import Snapshots, rng_state
+from gradwatch.store.findings import Finding
+from gradwatch.store.records import AMP_SCALE, CLOSURE_EVALUATIONS, GRAD_STALE, StepRecord
+from gradwatch.store.thread import Writer
 
 
 @dataclass
@@ -171,7 +171,7 @@ class Lifecycle(Recording):
 
     def _begin(self, opt: torch.optim.Optimizer | None, scaled: bool, held: int | None = None) -> Open | None:
         """The story of one step, up to the optimizer's update; None when the GradScaler drops it."""
-        if self.looks.due(self.measure.missing, self.step):         # the model changed? (gradwatch.relayout)
+        if self.looks.due(self.measure.missing, self.step):         # the model changed? (gradwatch.step.relayout)
             self.refresh_layout()
             held = None  # an index of the layout before
         step, now = self._count()                                   # open

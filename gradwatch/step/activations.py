@@ -2,7 +2,7 @@
 
 A leaf's output is reduced to its L2 norm (every element), its number of non-zeros and, for a
 bounded activation (tanh, sigmoid, softmax...), its number of saturated elements (both over the
-elements :func:`gradwatch.stats.counted` picks). An output larger than :data:`BATCHED` elements is
+elements :func:`gradwatch.step.stats.counted` picks). An output larger than :data:`BATCHED` elements is
 reduced in its hook. Smaller ones are reduced together when the step reads them: one stack and
 two or three row reductions for hundreds of calls, where three reductions per call cost three
 launches each (a rollout of single-sample forward calls).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradwatch.stats import activation_stats, saturated_rows, stacked
+from gradwatch.step.stats import activation_stats, saturated_rows, stacked
 
 #: outputs of at most this many elements are reduced together when the step reads them (beyond it,
 #: one launch per reduction costs about what stacking them does)
