@@ -12,13 +12,13 @@ import torch
 
 import gradwatch as gw
 from gradwatch import detectors
+from gradwatch.cli.rejudge import rejudge
 from gradwatch.detectors.causes import EXPLOSION, LR_HIGH
 from gradwatch.detectors.learning_rate import LearningRate
 from gradwatch.detectors.loss_spike import LossSpike
 from gradwatch.detectors.unoptimized_parameter import HELD, UnoptimizedParameter
 from gradwatch.detectors.unused_parameter import group
 from gradwatch.detectors.zero_gradient import ZeroGradient
-from gradwatch.judging.rejudge import rejudge
 from gradwatch.store.records import CLOSURE_EVALUATIONS, LAYER, PARAM, Layout, StepRecord
 
 from .realcode import gpt, reinforce, resnet

@@ -18,7 +18,7 @@ from torch import nn
 
 import gradwatch as gw
 from gradwatch.cli import cli
-from gradwatch.judging.rejudge import rejudge
+from gradwatch.cli.rejudge import rejudge
 
 
 def train(run_dir: Path, steps: int, *, nan_batch: tuple[int, ...] = (), nan_weight: int | None = None,

@@ -15,7 +15,7 @@ import pytest
 
 import gradwatch as gw
 from gradwatch import detectors
-from gradwatch.judging.rejudge import rejudge
+from gradwatch.cli.rejudge import rejudge
 from gradwatch.options import DEFAULT_SAMPLE_PERIOD
 
 from .zoo import HEALTHY, LR_JUMP, PATHOLOGIES, Case, run

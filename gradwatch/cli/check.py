@@ -120,7 +120,7 @@ def expand(paths: tuple[str, ...]) -> list[str]:
 def _findings(run: Run, rules: Path | None) -> Any:
     if rules is None:
         return run.findings()
-    from gradwatch.judging.rejudge import rejudge
+    from gradwatch.cli.rejudge import rejudge
 
     return rejudge(run, rules)
 
@@ -289,7 +289,7 @@ def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, ru
     if output is not None:  # never over a run's own files (its store ...)
         owned.refuse(output, "the check report", [*runs, *expand(runs)])
     if rules is not None:
-        from gradwatch.judging.rejudge import validate
+        from gradwatch.cli.rejudge import validate
 
         validate(rules)  # a bad rules file is a usage error before any run is read
     results = [judge_run(path, fail_on, rules, accept) for path in expand(runs)]
