@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gradwatch.errors import ConfigError
+from gradwatch.sinks import sink_settings
 
 #: the smallest number of steps between two measurements of the costlier statistics
 DEFAULT_SAMPLE_PERIOD = 10
@@ -222,34 +223,6 @@ def prometheus_settings(value: Any) -> dict[str, Any] | None:
     if importlib.util.find_spec("prometheus_client") is None:
         raise ConfigError(f"option prometheus needs the prometheus_client package: {PROMETHEUS_INSTALL}")
     return {"port": port, "addr": addr, "per_layer": per_layer, "max_layers": max_layers, "registry": registry}
-
-
-def sink_settings(value: Any) -> dict[str, dict[str, Any]]:
-    """The ``sinks`` option as ``{plugin name: settings}`` (empty when there are none).
-
-    Raises:
-        ConfigError: not a list of names or a mapping of names to tables of settings.
-    """
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        out = {}
-        for name, settings in value.items():
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"option sinks: a sink name must be a non-empty string, got {name!r}")
-            if settings is None:
-                settings = {}
-            if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
-                raise ConfigError(f"option sinks: the settings of sink {name!r} must be a table of "
-                                  f"setting = value, got {settings!r}")
-            out[name] = dict(settings)
-        return out
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
-        if len(set(value)) != len(value):
-            raise ConfigError(f"option sinks names a sink twice: {list(value)!r}")
-        return {name: {} for name in value}
-    raise ConfigError("option sinks must be a list of sink plugin names, or a mapping "
-                      f"{{name: {{setting: value}}}}, got {value!r}")
 
 
 def run_path(run: Any) -> Path:

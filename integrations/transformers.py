@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradwatch import register
 from gradwatch.integrations._attach import Attachment, loss_scale
-from gradwatch.step.layout import first_tensor
+from gradwatch.rootcause.state import first_tensor
 from gradwatch.store.records import PRECLIP
 
 try:

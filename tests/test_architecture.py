@@ -1,4 +1,4 @@
-"""The shape of the code: no import circles among gradwatch's modules, small modules that name their stage."""
+"""The shape of the code: the stages import one way, no import circles, small modules that name their stage."""
 
 from __future__ import annotations
 
@@ -12,6 +12,39 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"gradwatch": "gradwatch", "gradwatch.integrations": "integrations", "gradwatch.dashboards": "dashboards"}
 #: the most lines a module of gradwatch/ may have ("small modules, one concept each": aim ~300)
 MAX_LINES = 330
+
+
+#: the layers of the package, top to bottom (docs/architecture.md): a module imports modules of its own layer
+#: and of the layers below it, never one above. The step's stages run step -> judging -> rootcause -> store.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("commands", ("gradwatch.cli", "gradwatch.__main__")),
+    ("public face", ("gradwatch", "gradwatch.registry", "gradwatch.watching", "gradwatch.startup", "gradwatch.ending",
+                     "gradwatch.demo", "gradwatch.testing", "gradwatch.pytest_plugin", "gradwatch.pytest_fixture",
+                     "gradwatch.integrations")),
+    ("readers", ("gradwatch.report", "gradwatch.dashboards", "gradwatch.doctor")),
+    ("settings", ("gradwatch.options", "gradwatch.config")),
+    ("step", ("gradwatch.step",)),
+    ("judging", ("gradwatch.judging", "gradwatch.detectors", "gradwatch.actions", "gradwatch.rules")),
+    ("rootcause", ("gradwatch.rootcause",)),
+    ("store", ("gradwatch.store", "gradwatch.sinks")),
+    ("base", ("gradwatch.errors", "gradwatch.version", "gradwatch.encoding", "gradwatch.files", "gradwatch.plugins",
+              "gradwatch.wording", "gradwatch.guard", "gradwatch.register", "gradwatch.unpickled")),
+]
+
+
+def layer(module: str) -> int:
+    """The index in :data:`LAYERS` of the layer ``module`` belongs to (its longest matching prefix)."""
+    best, found = -1, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module == prefix or (prefix != "gradwatch" and module.startswith(prefix + "."))
+            if matches and len(prefix) > best:
+                best, found = len(prefix), index
+    if found < 0 and module == "gradwatch":
+        return 1
+    if found < 0:
+        raise AssertionError(f"{module} belongs to no layer of tests/test_architecture.py's LAYERS: add it")
+    return found
 
 
 def modules() -> dict[str, Path]:
@@ -46,13 +79,26 @@ def _targets(name: str, path: Path, node: ast.Import | ast.ImportFrom, known: di
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules of ours it imports anywhere: at the top, in functions, under TYPE_CHECKING."""
+def _type_only(tree: ast.Module) -> set[int]:
+    """The ids of the import statements under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            out.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    return out
+
+
+def import_graph(*, runtime: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports anywhere: at the top, in functions, under TYPE_CHECKING
+    (``runtime``: leaving out those under TYPE_CHECKING, which only annotations use).
+    """
     known = modules()
     graph: dict[str, set[str]] = {name: set() for name in known}
     for name, path in known.items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped = _type_only(tree) if runtime else set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
                 graph[name].update(_targets(name, path, node, known))
     return graph
 
@@ -107,6 +153,47 @@ def test_the_graph_sees_every_kind_of_import() -> None:
 def test_no_import_circles() -> None:
     found = cycles(import_graph())
     assert not found, "import circles among gradwatch's modules:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a module of a layer above the importer's, as "importer (layer) -> imported (layer)"."""
+    out = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer(target) < layer(name):
+                out.append(f"{name} ({LAYERS[layer(name)][0]}) -> {target} ({LAYERS[layer(target)][0]})")
+    return out
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    for name in modules():
+        layer(name)
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {"gradwatch.store.reader": {"gradwatch.judging.judge"}, "gradwatch.step.probe": {"gradwatch.store.records"}}
+    assert upward(graph) == ["gradwatch.store.reader (store) -> gradwatch.judging.judge (judging)"]
+
+
+def test_imports_run_one_way_down_the_layers() -> None:
+    """The stages import one way (step -> judging -> rootcause -> store -> base); the store never imports the judge.
+    Imports under TYPE_CHECKING are left out: an annotation may name a type of a layer above (the Options).
+    """
+    found = upward(import_graph(runtime=True))
+    assert not found, "imports of a layer above:\n" + "\n".join(found)
+
+
+def test_the_store_never_reaches_the_judge() -> None:
+    """Nothing the store imports, however indirectly and even for annotations, is of the judging stage."""
+    graph = import_graph()
+    seen: set[str] = set()
+    todo = [n for n in graph if layer(n) == layer("gradwatch.store")]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph[name])
+    assert not {n for n in seen if layer(n) <= layer("gradwatch.judging")}
 
 
 @pytest.mark.parametrize("name", sorted(n for n, p in modules().items() if p.is_relative_to(ROOT / "gradwatch")))

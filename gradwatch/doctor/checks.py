@@ -11,8 +11,8 @@ import torch
 from gradwatch.doctor.context import Probe, _Activation, _Context
 from gradwatch.doctor.results import FAIL, HINTS, PASS, WARN, CheckResult, DoctorOptions
 from gradwatch.doctor.target import _names, compute_loss
-from gradwatch.step.layout import ROOT
 from gradwatch.step.origin import tensors
+from gradwatch.store.records import ROOT
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 

@@ -14,22 +14,24 @@ import numbers
 import warnings
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 
 from gradwatch import actions, detectors
 from gradwatch.actions import Control
-from gradwatch.config import Config
 from gradwatch.detectors.exploding import Exploding
 from gradwatch.errors import PluginWarning, TrainingHalted
-from gradwatch.options import Options
 from gradwatch.rules import PRECEDENCE, Decision, decide
 from gradwatch.store.findings import SEVERITIES, Cooldown, Finding, rank
 from gradwatch.store.records import StepRecord
 from gradwatch.store.thread import Writer
 from gradwatch.store.writer import finding_json
+
+if TYPE_CHECKING:  # the settings are built by the public face (gradwatch.options)
+    from gradwatch.config import Config
+    from gradwatch.options import Options
 
 _STYLE = {"info": "cyan", "warning": "yellow", "error": "bold red"}
 

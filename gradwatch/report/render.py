@@ -78,7 +78,7 @@ def html(report: Report) -> str:
 
 
 def _version() -> str:
-    from gradwatch import __version__
+    from gradwatch.version import __version__
 
     return __version__
 

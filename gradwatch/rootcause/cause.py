@@ -25,8 +25,7 @@ from torch import nn
 
 from gradwatch.rootcause.facts import g
 from gradwatch.rootcause.locate import Located
-from gradwatch.rootcause.state import LOW_PRECISION, Autocast, Rng, devices, finite, floats
-from gradwatch.step.layout import first_tensor
+from gradwatch.rootcause.state import LOW_PRECISION, Autocast, Rng, devices, finite, first_tensor, floats
 from gradwatch.wording import layer
 
 DATA, PRECISION, NOT_REPRODUCIBLE, MODEL, WEIGHTS = "data", "precision", "not_reproducible", "model", "weights"

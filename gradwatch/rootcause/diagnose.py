@@ -12,7 +12,7 @@ from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.samples import blamed, concentrated, nonfinite_rows, outliers
 from gradwatch.rootcause.state import Rng
-from gradwatch.step.layout import ROOT
+from gradwatch.store.records import ROOT
 from gradwatch.wording import layer
 
 

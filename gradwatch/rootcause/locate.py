@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from gradwatch.rootcause.capture import KEEP_GRADS, Capture
-from gradwatch.rootcause.state import finite
-from gradwatch.step.layout import ROOT, first_tensor
+from gradwatch.rootcause.state import finite, first_tensor
+from gradwatch.store.records import ROOT
 
 
 @dataclass

@@ -25,8 +25,7 @@ from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.frames import Line, user_line
 from gradwatch.rootcause.locate import Located, output_grad
 from gradwatch.rootcause.ops import Born, Ops
-from gradwatch.rootcause.state import Rng, finite, has_nan, tensors
-from gradwatch.step.layout import first_tensor
+from gradwatch.rootcause.state import Rng, finite, first_tensor, has_nan, tensors
 
 #: nodes that only move a gradient along (a parameter behind them is the one the gradient is for)
 _PASS = re.compile(r"^(T|Transpose|Permute|View|Reshape|Unsafe\w*View|Expand|ToCopy|Clone|Squeeze\w*|Unsqueeze\w*"

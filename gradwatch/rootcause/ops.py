@@ -23,7 +23,7 @@ from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.frames import Line, user_line
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.state import Rng, floats
-from gradwatch.step.layout import ROOT
+from gradwatch.store.records import ROOT
 
 #: ops that allocate memory without writing it, or only move it: never the birth place
 UNWRITTEN = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",

@@ -18,8 +18,7 @@ from torch import nn
 
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.samples import batch_dim, blamed, concentrated
-from gradwatch.rootcause.state import Rng
-from gradwatch.step.layout import first_tensor
+from gradwatch.rootcause.state import Rng, first_tensor
 
 #: the largest batch blamed per sample
 MAX_BATCH = 4096

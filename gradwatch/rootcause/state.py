@@ -28,6 +28,20 @@ def tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors(v)
 
 
+def first_tensor(output: Any) -> torch.Tensor | None:
+    """The first floating-point tensor in a module output (tensor, tuple, list, dict, ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            t = first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
 def floats(obj: Any) -> list[torch.Tensor]:
     """The floating-point (and complex) tensors inside ``obj``."""
     return [t for t in tensors(obj) if t.is_floating_point() or t.is_complex()]

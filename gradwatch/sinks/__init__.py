@@ -9,10 +9,11 @@ training and the other sinks go on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from gradwatch.errors import ConfigError
 from gradwatch.store.records import StepRecord
 
 
@@ -26,6 +27,34 @@ class Sink(Protocol):
         """Flush and release resources; ``status`` is the run's final status."""
 
 
+def sink_settings(value: Any) -> dict[str, dict[str, Any]]:
+    """The ``sinks`` option as ``{plugin name: settings}`` (empty when there are none).
+
+    Raises:
+        ConfigError: not a list of names or a mapping of names to tables of settings.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        out = {}
+        for name, settings in value.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"option sinks: a sink name must be a non-empty string, got {name!r}")
+            if settings is None:
+                settings = {}
+            if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
+                raise ConfigError(f"option sinks: the settings of sink {name!r} must be a table of "
+                                  f"setting = value, got {settings!r}")
+            out[name] = dict(settings)
+        return out
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
+        if len(set(value)) != len(value):
+            raise ConfigError(f"option sinks names a sink twice: {list(value)!r}")
+        return {name: {} for name in value}
+    raise ConfigError("option sinks must be a list of sink plugin names, or a mapping "
+                      f"{{name: {{setting: value}}}}, got {value!r}")
+
+
 def plugin_sinks(option: Any, run_dir: Path) -> list[Any]:
     """Build the sink plugins the ``sinks`` option names, each with its settings.
 
@@ -34,8 +63,6 @@ def plugin_sinks(option: Any, run_dir: Path) -> list[Any]:
             (those built before it are closed).
     """
     from gradwatch import plugins
-    from gradwatch.errors import ConfigError
-    from gradwatch.options import sink_settings
 
     built: list[Any] = []
     try:

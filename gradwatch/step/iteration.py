@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from gradwatch import guard as entry
 from gradwatch import register
-from gradwatch.options import Options
 from gradwatch.step import preclip
 from gradwatch.step.buffers import Buffers
 from gradwatch.step.layout import Discovered
 from gradwatch.step.observed import Observed, merge
 from gradwatch.step.origin import Tracker
 from gradwatch.step.probe import Probe
+
+if TYPE_CHECKING:  # the settings are built by the public face (gradwatch.options)
+    from gradwatch.options import Options
 
 log = logging.getLogger("gradwatch")
 

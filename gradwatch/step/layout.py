@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import nn
 
 from gradwatch.errors import ConfigError
-from gradwatch.store.records import Layout
-
-ROOT = "(root)"
+from gradwatch.store.records import ROOT, Layout
 
 #: output bounds of activations that saturate
 _BOUNDED: dict[type[nn.Module], tuple[float, float]] = {
@@ -113,16 +109,3 @@ def discover(model: nn.Module, version: int) -> Discovered:
     )
     return Discovered(layout, params, leaf_modules)
 
-
-def first_tensor(output: Any) -> torch.Tensor | None:
-    """The first floating-point tensor in a module output (tensor, tuple, list, dict, ModelOutput)."""
-    if isinstance(output, torch.Tensor):
-        return output if output.is_floating_point() else None
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            t = first_tensor(item)
-            if t is not None:
-                return t
-    return None

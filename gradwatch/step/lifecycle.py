@@ -9,7 +9,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,7 +18,6 @@ from torch import nn
 from gradwatch.errors import GradwatchWarning, GroupLeft, RunError, TrainingHalted
 from gradwatch.guard import Guard, guarded
 from gradwatch.judging.judge import Judge
-from gradwatch.options import Options
 from gradwatch.step import observed as obs
 from gradwatch.step import preclip, stats
 from gradwatch.step.control import LoopControl
@@ -34,6 +33,9 @@ from gradwatch.step.snapshots import Snapshots, rng_state
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import AMP_SCALE, CLOSURE_EVALUATIONS, GRAD_STALE, StepRecord
 from gradwatch.store.thread import Writer
+
+if TYPE_CHECKING:  # the settings are built by the public face (gradwatch.options)
+    from gradwatch.options import Options
 
 
 @dataclass

@@ -34,8 +34,9 @@ from torch.utils.hooks import RemovableHandle
 from gradwatch import guard as entry
 from gradwatch import register
 from gradwatch.guard import Hook, RootHook
+from gradwatch.rootcause.state import first_tensor
 from gradwatch.step.activations import Collected, Reduced
-from gradwatch.step.layout import bounds, first_tensor
+from gradwatch.step.layout import bounds
 
 # gradwatch's hooks are the guard's (the one door from torch into gradwatch); a model pickled by an
 # older gradwatch holds ``gradwatch.step.probe._unwatched_copy``, which still loads

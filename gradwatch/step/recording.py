@@ -9,14 +9,13 @@ import math
 import numbers
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from gradwatch.guard import Guard, guarded
 from gradwatch.judging.judge import Judge
-from gradwatch.options import Options
 from gradwatch.step import observed as obs
 from gradwatch.step import stats
 from gradwatch.step.control import LoopControl
@@ -31,6 +30,9 @@ from gradwatch.step.snapshots import Snapshots
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import AMP_SCALE, StepRecord
 from gradwatch.store.thread import Writer
+
+if TYPE_CHECKING:  # the settings are built by the public face (gradwatch.options)
+    from gradwatch.options import Options
 
 log = logging.getLogger("gradwatch")
 

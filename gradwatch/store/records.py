@@ -30,6 +30,8 @@ CLOSURE_EVALUATIONS = "closure_evaluations"
 #: (not cleared between the two: no ``zero_grad()``); recorded when it is not 0
 GRAD_STALE = "grad_stale_steps"
 
+#: the name of the root module among a run's layers
+ROOT = "(root)"
 LAYER = "layer"
 PARAM = "param"
 
