@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from gradwatch import encoding
 from gradwatch.cli import cli
+from gradwatch.cli.formats import log_console
 from gradwatch.doctor import CHECKS, FAIL, FAIL_ON, PASS, WARN, CheckResult, DoctorOptions, diagnose, exit_code
 
 FORMATS = ("text", "json")
@@ -24,17 +23,9 @@ _POSITIVE = click.FloatRange(min=0, min_open=True)
 _FRACTION = click.FloatRange(min=0, max=1, min_open=True, max_open=True)
 
 
-def _console(file: Any) -> Console:
-    """A console that colours only a terminal, and never with NO_COLOR."""
-    terminal = hasattr(file, "isatty") and file.isatty()
-    width = None if terminal else int(os.environ.get("COLUMNS", "160"))
-    return Console(file=file, width=width, highlight=False, force_terminal=terminal or None,
-                   no_color="NO_COLOR" in os.environ or not terminal)
-
-
 def render_text(results: Sequence[CheckResult], target: str, fail_on: str, seconds: float, file: Any) -> None:
     """A table of the checks (check, status, evidence, suggestion), then the verdict."""
-    console = _console(file)
+    console = log_console(file)
     table = Table(title=f"gradwatch doctor {escape(target)}", title_justify="left")
     table.add_column("check", no_wrap=True)
     table.add_column("status", no_wrap=True)

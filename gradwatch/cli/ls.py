@@ -12,7 +12,7 @@ from rich.table import Table
 
 from gradwatch import encoding
 from gradwatch.cli import cli
-from gradwatch.cli.check import _console
+from gradwatch.cli.formats import log_console
 from gradwatch.store.listing import describe_run, find_runs
 
 
@@ -28,7 +28,7 @@ def ls(root: Path, fmt: str) -> None:
     if fmt == "json":
         click.echo(encoding.dumps(rows, indent=2))
         return
-    console = _console(sys.stdout)
+    console = log_console(sys.stdout)
     if not rows:
         console.print(f"no runs under {escape(str(root))}")
         return
