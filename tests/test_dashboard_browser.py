@@ -10,7 +10,8 @@ import pytest
 
 import gradwatch as gw
 from gradwatch.dashboards.server import start
-from tests.test_report import BIG_STEP, NAN_STEP, XSS_LAYER, XSS_RUN, loop, make_model, train
+from tests.test_report import BIG_STEP, NAN_STEP, XSS_LAYER, XSS_RUN, loop, make_model, narrow, synthetic, train
+from tests.test_report_browser import assert_log_ticks_read_true
 
 pytestmark = pytest.mark.slow  # a real browser
 
@@ -146,5 +147,29 @@ def test_findings_zoom_and_runs_list(browser, tmp_path: Path) -> None:  # type: 
         page.locator("#reset").click()
         wait_js(page, "document.getElementById('range').textContent === 'all steps'")
         page.screenshot(path=str(SCREENSHOTS / "gradwatch-dashboard-run.png"), full_page=True)
+        assert not problems, problems
+        page.close()
+
+
+def test_log_axes_read_true(browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Gradient norms from 0.25 to 3 (a decade), then from 1e-6 to 1e4: every tick label is the value."""
+    narrow(tmp_path / "narrow", 0.25, 3.0)
+    synthetic(tmp_path / "wide", 8, 30, spike=(20, 3))
+    with start(tmp_path, poll=0.25) as dash:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        problems = watch_page(page)
+        page.goto(f"{dash.url}run?run=narrow")
+        page.wait_for_selector("#timeline .main-svg")
+        page.wait_for_selector("#flow .main-svg")
+        timeline = assert_log_ticks_read_true(page, "#timeline .y2tick text", 0.25, 3.0)  # row 2: grad norm
+        assert 0.3 in timeline and 1 in timeline and 2 in timeline
+        assert_log_ticks_read_true(page, "#flow .ytick text", 0.25, 3.0)
+        page.goto(f"{dash.url}compare?run=narrow&run=wide")
+        page.wait_for_selector("#cmp-flow .main-svg")
+        assert_log_ticks_read_true(page, "#cmp-grad .ytick text", 0.25, 1e4)
+        page.goto(f"{dash.url}run?run=wide")
+        page.wait_for_selector("#flow .main-svg")
+        flow = assert_log_ticks_read_true(page, "#flow .ytick text", 1e-6, 1.5)  # the latest step's layers
+        assert 1e-6 in flow or 1e-5 in flow
         assert not problems, problems
         page.close()

@@ -132,6 +132,23 @@ def pages(runs: dict[str, Path]) -> dict[str, str]:
     return {name: render(path) for name, path in runs.items()}
 
 
+def narrow(path: Path, low: float, high: float, *, steps: int = 40) -> Path:
+    """A run written straight through the store writer whose gradient norms span ``low`` to ``high``
+    (global norm: rising geometrically over the steps; three layers: ``low``, between, ``high``)."""
+    names = ("a", "b", "c")
+    layout = Layout(version=0, layers=names, layer_types=("Linear",) * 3, layer_numel=(10,) * 3, params=(),
+                    param_numel=(), owners=(), leaves=(0, 1, 2))
+    writer = StoreWriter(create_store(path, {"model": "Narrow", "parameters": 30, "created": 1.7e9, "pid": -1},
+                                      overwrite=True))
+    grads = np.geomspace(low, high, steps)
+    writer.write([StepRecord(step=step, time=1.7e9 + step, layout=layout, logged=True, sampled=False,
+                             vectors={(LAYER, "grad_norm"): np.geomspace(low, high, 3).astype(np.float32)},
+                             scalars={"grad_norm": float(grads[step]), "loss": 0.5 - step / 1000})
+                  for step in range(steps)])
+    writer.close("finished")
+    return path
+
+
 # ------------------------------------------------------------------ parsing
 class Page(HTMLParser):
     """The parts of a report the tests read: elements by id and class, data attributes, scripts, text."""
@@ -466,3 +483,28 @@ def test_a_nan_born_outside_the_layers_is_placed_in_the_input_batch_or_the_loss(
     with gw.open_run(tmp_path / "run") as run:
         (item,) = report_items.items(run, run.findings())
     assert (item.kind, item.layer, item.where) == ("nonfinite", None, "the input batch")
+
+
+# ------------------------------------------------------------------ log axes
+PLAIN = {"type": "log", "tickformat": "~g"}
+POWERS = {"type": "log", "exponentformat": "power", "minorloglabels": "complete"}
+
+
+def log_axes(figure: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The tick options of a figure's log-scale y axes, by title."""
+    return {axis["title"]["text"]: {k: v for k, v in axis.items() if k in {*PLAIN, *POWERS}}
+            for key, axis in figure["layout"].items() if key.startswith("yaxis") and axis.get("type") == "log"}
+
+
+def test_log_axes_label_every_tick_with_its_value(tmp_path: Path) -> None:
+    """plotly's default labels a tick between powers of ten by its first digit (0.4 reads "4", 20 "2")."""
+    from gradwatch.report.figures import log_axis
+
+    assert log_axis([0.3, 0.4, 5.0]) == PLAIN
+    assert log_axis([np.nan, 0.0, -1.0], [np.inf]) == PLAIN  # nothing drawable
+    assert log_axis([1e-7, 0.5]) == POWERS == log_axis([0.5], [2e5])
+    page = Page(render(narrow(tmp_path / "narrow", 0.25, 3.0)))
+    assert log_axes(page.figure("timeline")) == log_axes(page.figure("flow")) == {"grad norm": PLAIN}
+    wide = Page(render(synthetic(tmp_path / "wide", 8, 30, spike=(20, 3))))
+    assert log_axes(wide.figure("flow")) == {"grad norm": POWERS}  # layers from 1e-6 to 1
+    assert log_axes(wide.figure("timeline")) == {"grad norm": PLAIN}  # the global norm: 0.55 to 1e4

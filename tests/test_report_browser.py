@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import shutil
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 
 import gradwatch as gw
 from gradwatch.report import write
-from tests.test_report import BIG_STEP, NAN_STEP, XSS_RUN, store_findings, train
+from tests.test_report import BIG_STEP, NAN_STEP, XSS_RUN, narrow, store_findings, synthetic, train
 
 pytestmark = pytest.mark.slow  # a real browser
 
@@ -92,4 +94,56 @@ def test_report_in_a_browser(browser, run: Path, tmp_path: Path) -> None:  # typ
     shutil.copyfile(shot, SCREENSHOT)
     assert shot.stat().st_size > 50_000
     assert problems == []
+    page.close()
+
+
+def tick_value(text: str) -> float:
+    """What a log axis's tick label says: "0.4", "20", "10\u200b−6\u200b" (10^-6), "5x10\u200b−1\u200b", "2x10"."""
+    head, *exponent = text.replace("\u2212", "-").split("\u200b")
+    power = float(exponent[0]) if exponent and exponent[0] else None
+    found = re.fullmatch(r"(\d+(?:\.\d*)?)x10|10|(\d+(?:\.\d*)?(?:e[-+]?\d+)?)", head)
+    assert found, f"not a number: {text!r}"
+    if found.group(1) is not None:  # "5x10", then its power
+        return float(found.group(1)) * 10 ** (1 if power is None else power)
+    if found.group(2) is not None:
+        assert power is None, text
+        return float(found.group(2))
+    return 10 ** (1 if power is None else power)  # "10", or 10 to a power
+
+
+def assert_log_ticks_read_true(page, selector: str, low: float, high: float) -> list[float]:  # type: ignore[no-untyped-def]
+    """The tick labels of a log axis say the values at their places: rising, evenly in log, around the data.
+
+    plotly's default writes the ticks between powers of ten as their first digit: on an axis from
+    0.25 to 3, "3 4 5 6 7 8 9 1 2 3", which is neither rising nor the values.
+    """
+    labels = page.eval_on_selector_all(selector, """els => els.map(e => {
+        const box = e.getBoundingClientRect(); return [e.textContent, box.top + box.height / 2]; })""")
+    labels = sorted(((tick_value(text), y) for text, y in labels if text), key=lambda label: -label[1])
+    values = [v for v, _ in labels]
+    assert len(values) >= 3, labels
+    assert all(a < b for a, b in zip(values, values[1:])), f"{selector}: not rising from the bottom: {labels}"
+    assert low / 3 <= values[0] and values[-1] <= high * 3, f"{selector}: {values} for data from {low} to {high}"
+    (v0, y0), (v1, y1) = labels[0], labels[-1]
+    per_pixel = (math.log10(v1) - math.log10(v0)) / (y0 - y1)
+    for value, y in labels:  # each label where its value is on the axis (within 0.05 of a decade)
+        assert abs(math.log10(v0) + (y0 - y) * per_pixel - math.log10(value)) < 0.05, (selector, labels)
+    return values
+
+
+def test_log_axes_read_true_in_a_browser(browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Gradient norms from 0.25 to 3 (a decade), then from 1e-6 to 1e4: every tick label is the value."""
+    page = browser.new_page(viewport={"width": 1360, "height": 900})
+    narrow_run = write(narrow(tmp_path / "narrow", 0.25, 3.0))
+    page.goto(narrow_run.resolve().as_uri())
+    page.wait_for_selector("#fig-flow .main-svg")
+    timeline = assert_log_ticks_read_true(page, "#fig-timeline .y2tick text", 0.25, 3.0)  # row 2: grad norm
+    assert 0.3 in timeline and 1 in timeline and 2 in timeline
+    assert_log_ticks_read_true(page, "#fig-flow .ytick text", 0.25, 3.0)
+    wide_run = write(synthetic(tmp_path / "wide", 8, 30, spike=(20, 3)))
+    page.goto(wide_run.resolve().as_uri())
+    page.wait_for_selector("#fig-flow .main-svg")
+    assert_log_ticks_read_true(page, "#fig-timeline .y2tick text", 0.55, 1e4)
+    flow = assert_log_ticks_read_true(page, "#fig-flow .ytick text", 1e-6, 1e4)  # the spike's step too
+    assert 1e-6 in flow or 1e-5 in flow
     page.close()

@@ -16,6 +16,8 @@
   const GRID = "#edf0f3";
   const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
   const MAX_TICKS = 24;
+  // a log axis whose values all lie in this range labels its ticks as plain numbers (as the report's figures.py)
+  const PLAIN_LOG = [1e-3, 1e4];
 
   // ------------------------------------------------------------------ helpers
   const esc = (s) => String(s).replace(/[&<>"']/g,
@@ -106,6 +108,23 @@
       return running;
     };
     return run;
+  }
+
+  // A log-scale axis on which every tick label reads as its value, for the values of the arrays given.
+  // plotly labels the ticks between two powers of ten with their first digit alone (0.4 reads "4", 20
+  // reads "2"): values within PLAIN_LOG are labelled as plain numbers (0.3, 0.5, 1, 2, 20), wider ones
+  // by powers of ten with every tick between them written whole (5x10^-1). The report's log_axis
+  // (gradwatch/report/figures.py) decides the same way.
+  function logAxis(...series) {
+    let lo = Infinity;
+    let hi = -Infinity;
+    for (const values of series) {
+      for (const v of values || []) {
+        if (typeof v === "number" && v > 0 && Number.isFinite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+      }
+    }
+    if (lo === Infinity || (lo >= PLAIN_LOG[0] && hi <= PLAIN_LOG[1])) return { type: "log", tickformat: "~g" };
+    return { type: "log", exponentformat: "power", minorloglabels: "complete" };
   }
 
   function layout(extra) {
@@ -258,14 +277,14 @@
         traces.push({ x: c.curves.loss.steps, y: c.curves.loss.values, yaxis: yname.loss, mode: "lines", name: "loss",
                       line: { color: "#2f6fde", width: 1.4 }, hovertemplate: "step %{x}<br>loss %{y:.4g}<extra></extra>" });
         Object.assign(lay[yname.loss === "y" ? "yaxis" : `yaxis${yname.loss.slice(1)}`],
-                      { title: { text: "loss" }, ...(c.curves.loss.log ? { type: "log", exponentformat: "power" } : {}) });
+                      { title: { text: "loss" }, ...(c.curves.loss.log ? logAxis(c.curves.loss.values) : {}) });
       }
       if (has("grad_norm")) {
         traces.push({ x: c.curves.grad_norm.steps, y: c.curves.grad_norm.values, yaxis: yname.grad, mode: "lines",
                       name: "global grad norm", line: { color: "#7c3aed", width: 1.4 },
                       hovertemplate: "step %{x}<br>grad norm %{y:.3g}<extra></extra>" });
         Object.assign(lay[yname.grad === "y" ? "yaxis" : `yaxis${yname.grad.slice(1)}`],
-                      { title: { text: "grad norm" }, type: "log", exponentformat: "power" });
+                      { title: { text: "grad norm" }, ...logAxis(c.curves.grad_norm.values) });
       }
       if (lanes.length) {
         const key = yname.events === "y" ? "yaxis" : `yaxis${yname.events.slice(1)}`;
@@ -374,7 +393,7 @@
       const t = ticks(f.layers);
       draw("flow", traces, layout({
         height: 380, bargap: n > 100 ? 0 : 0.2, showlegend: true, legend: { orientation: "h", y: 1.12, x: 0 },
-        yaxis: axis({ type: "log", exponentformat: "power", title: { text: "grad norm" } }),
+        yaxis: axis({ ...logAxis(traces[0].y, traces[1].y), title: { text: "grad norm" } }),
         xaxis: axis({ title: { text: "layer (input → output)" }, tickvals: t.tickvals, ticktext: t.ticktext,
                       tickangle: n > 6 ? -35 : 0, automargin: true, range: [-0.5, n - 0.5] }),
       }));
@@ -431,8 +450,9 @@
           const meta = d.metrics[m];
           const y = k === 0 ? "y" : `y${k + 1}`;
           lay[k === 0 ? "yaxis" : `yaxis${k + 1}`] = axis({
-            domain: [1 - (k + 1) * h - k * gap, 1 - k * gap - k * h], anchor: "x", type: meta.log ? "log" : "linear",
-            exponentformat: "power", title: { text: esc(meta.title), font: { size: 11 } } });
+            domain: [1 - (k + 1) * h - k * gap, 1 - k * gap - k * h], anchor: "x",
+            ...(meta.log ? logAxis(s.values, s.low, s.high) : { type: "linear", exponentformat: "power" }),
+            title: { text: esc(meta.title), font: { size: 11 } } });
           const colour = PALETTE[k % PALETTE.length];
           if (s.values) {
             traces.push({ x: s.steps, y: s.values, yaxis: y, mode: "lines", name: esc(meta.title),
@@ -520,7 +540,8 @@
         } : null)).filter(Boolean);
         if (!traces.length) { empty(target, `No ${name === "loss" ? "loss" : "gradient norm"} recorded.`); continue; }
         draw(target, traces, layout({ height: 320, showlegend: true, legend: { orientation: "h", y: 1.14, x: 0 },
-          yaxis: axis({ type: log ? "log" : "linear", exponentformat: "power" }), xaxis: axis({ title: { text: "step" } }) }));
+          yaxis: axis(log ? logAxis(...traces.map((trace) => trace.y)) : { type: "linear", exponentformat: "power" }),
+          xaxis: axis({ title: { text: "step" } }) }));
       }
       const order = [];
       const seen = new Set();
@@ -535,7 +556,7 @@
       if (!traces.length) { empty("cmp-flow", "No gradients recorded yet."); return; }
       const t = ticks(order);
       draw("cmp-flow", traces, layout({ height: 380, showlegend: true, legend: { orientation: "h", y: 1.12, x: 0 },
-        yaxis: axis({ type: "log", exponentformat: "power", title: { text: "grad norm" } }),
+        yaxis: axis({ ...logAxis(...traces.map((trace) => trace.y)), title: { text: "grad norm" } }),
         xaxis: axis({ title: { text: "layer (input → output)" }, tickvals: t.tickvals, ticktext: t.ticktext,
                       tickangle: order.length > 6 ? -35 : 0, automargin: true }) }));
     });

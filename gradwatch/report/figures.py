@@ -29,6 +29,8 @@ MAX_TICKS = 24
 _UNSAFE = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
 #: plotly config for every figure
 CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["lasso2d", "select2d"]}
+#: a log axis whose values all lie in this range labels its ticks as plain numbers (the dashboard's app.js too)
+PLAIN_LOG = (1e-3, 1e4)
 
 
 def label(text: str) -> str:
@@ -61,6 +63,23 @@ def _base(fig: go.Figure, height: int) -> go.Figure:
     return fig
 
 
+def log_axis(*series: object) -> dict[str, object]:
+    """A log-scale axis on which every tick label reads as its value, for the values of ``series``.
+
+    plotly labels the ticks between two powers of ten with their first digit alone, so that on an
+    axis spanning less than a few decades 0.4 and 0.3 read "4" and "3" and 20 reads "2". Values
+    within ``PLAIN_LOG`` are labelled as plain numbers (``~g``: 0.3, 0.5, 1, 2, 20); wider ones by
+    powers of ten with every tick between them written whole (5x10^-1), so a zoom stays readable.
+    The dashboard's ``logAxis`` (dashboards/web/app.js) decides the same way.
+    """
+    arrays = [np.asarray(s, dtype=np.float64).ravel() for s in series]
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    shown = values[np.isfinite(values) & (values > 0)]
+    if not shown.size or (shown.min() >= PLAIN_LOG[0] and shown.max() <= PLAIN_LOG[1]):
+        return dict(type="log", tickformat="~g")
+    return dict(type="log", exponentformat="power", minorloglabels="complete")
+
+
 def _steps(values: np.ndarray) -> np.ndarray:
     return np.asarray(values, dtype=np.int32)
 
@@ -85,13 +104,13 @@ def timeline(report: Report) -> go.Figure | None:
                                  line=dict(color="#2f6fde", width=1.4),
                                  hovertemplate="step %{x}<br>loss %{y:.4g}<extra></extra>"), row=row["loss"], col=1)
         log = loss_log(report.loss.values)  # the dashboard's timeline decides the same way
-        fig.update_yaxes(title_text="loss", type="log" if log else None, row=row["loss"], col=1)
+        fig.update_yaxes(title_text="loss", **(log_axis(report.loss.values) if log else {}), row=row["loss"], col=1)
     if report.grad is not None:
         fig.add_trace(go.Scatter(x=_steps(report.grad.steps), y=report.grad.values, name="global grad norm",
                                  mode="lines", line=dict(color="#7c3aed", width=1.4),
                                  hovertemplate="step %{x}<br>grad norm %{y:.3g}<extra></extra>"),
                       row=row["grad"], col=1)
-        fig.update_yaxes(title_text="grad norm", type="log", exponentformat="power", row=row["grad"], col=1)
+        fig.update_yaxes(title_text="grad norm", **log_axis(report.grad.values), row=row["grad"], col=1)
     curves = [row[r] for r in ("loss", "grad") if r in row]
     if lanes:
         _events(fig, report, lanes, row["events"], curves)
@@ -182,7 +201,7 @@ def flow(data: Flow) -> go.Figure:
             hovertemplate="%{customdata[0]} (%{customdata[1]})<br>grad norm %{y:.3g}<extra>"
                           + label(f"{name}, step {step}") + "</extra>"))
     ticks = np.unique(np.linspace(0, n - 1, min(n, MAX_TICKS)).round().astype(int)) if n else np.zeros(0, int)
-    fig.update_yaxes(type="log", exponentformat="power", title_text="grad norm")
+    fig.update_yaxes(**log_axis(*(values for _, _, values in data.lines)), title_text="grad norm")
     fig.update_xaxes(title_text="layer (input → output)", tickangle=-35 if n > 6 else 0, automargin=True,
                      tickvals=ticks.tolist(), ticktext=[names[t][0] for t in ticks], range=[-0.5, n - 0.5])
     fig.update_layout(legend=dict(orientation="h", y=1.1, x=0), hovermode="closest")
