@@ -13,8 +13,9 @@ from torch import nn
 
 from gradwatch import ending, startup
 from gradwatch.config import Config
-from gradwatch.errors import GradwatchError, GroupLeft, InternalWarning, TrainingHalted
+from gradwatch.errors import GradwatchError, GroupLeft, InternalWarning
 from gradwatch.guard import Guard
+from gradwatch.integrations.framework import FrameworkAPI
 from gradwatch.judging.judge import Judge
 from gradwatch.options import Options
 from gradwatch.rootcause import loader
@@ -32,7 +33,7 @@ from gradwatch.store.thread import WriterDied
 log = logging.getLogger("gradwatch")
 
 
-class Watcher:
+class Watcher(FrameworkAPI):
     """Watches one model: measures every optimizer step and streams records to the run.
 
     Created by :func:`gradwatch.watch`; reach it with :func:`gradwatch.watcher`.
@@ -169,75 +170,6 @@ class Watcher:
         first step. ``grad_norm`` is missing on a step whose gradients were not measured.
         """
         return dict(self._steps.latest)
-
-    # ------------------------------------------------------ integration API
-    def integrate(
-        self,
-        *,
-        on_halt: Callable[[TrainingHalted], None],
-        signalled: bool = False,
-        before_step: Callable[[], None] | None = None,
-    ) -> None:
-        """Adapt the watcher to a framework that owns the training loop (Lightning, HF Trainer).
-
-        Used by ``gradwatch.integrations``; a plain loop never needs it.
-
-        Args:
-            on_halt: called with the :class:`~gradwatch.TrainingHalted` of a halting rule
-                instead of raising it out of ``optimizer.step()``, so that the framework stops
-                its own loop. The run is closed before the call, and the model's optimizers
-                apply nothing at their next step (each gets its gradients back when that
-                step ends), so the halted step changes nothing, as in a plain loop.
-            signalled: the framework says when gradients are final by calling
-                :meth:`gradients_ready`; the optimizer step pre-hooks are then ignored (the
-                post-hooks still end each step). For frameworks that call
-                ``optimizer.step(closure)``: the pre-hook runs before the closure's backward.
-            before_step: called at each step moment before the step is measured, to
-                :meth:`observe` values that belong to it or :meth:`leave_out` the step.
-        """
-        steps = self._steps
-        steps.on_halt, steps.signalled, steps.before_step = on_halt, signalled, before_step
-
-    def gradients_ready(self, optimizer: torch.optim.Optimizer, *, scaled: bool = False) -> None:
-        """The gradients ``optimizer`` is about to apply are final: measure, judge and act now.
-
-        For an integration in signalled mode (:meth:`integrate`). Actions act as in a plain
-        loop: clip scales the gradients in place; skip and rollback take them away until
-        ``optimizer``'s step ends, so that step changes nothing.
-
-        Args:
-            optimizer: the optimizer about to step (the torch optimizer, not a wrapper).
-            scaled: a GradScaler steps this optimizer and has unscaled its gradients: non-finite
-                gradients are an overflow that the scaler skips (recorded as a skipped step and
-                an ``amp_overflow`` finding), not a model failure.
-
-        Raises:
-            RuntimeError: the watcher is not in signalled mode.
-        """
-        if not self._steps.signalled:
-            raise RuntimeError("gradients_ready() is for integrations that signal the step moment; "
-                               "call watcher.integrate(on_halt=..., signalled=True) first")
-        self._steps.signalled_step(optimizer, scaled)
-
-    def leave_out(self) -> bool:
-        """Leave the coming step out if a rollback asked to skip batches (:attr:`pending_skips`).
-
-        For integrations, whose frameworks cannot drop a batch from a callback: the step of
-        the batch runs but applies nothing, and it is recorded as skipped without being judged.
-        Call before the step moment (e.g. from ``before_step``).
-
-        Returns:
-            whether the coming step is left out (one pending skip fewer).
-        """
-        if self.control.pending_skips <= 0:
-            return False
-        self.control.pending_skips -= 1
-        self._steps.leave_out = True
-        return True
-
-    def _forward_started(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
-        """A forward began before the watcher's hooks existed (a model watched from its first forward)."""
-        self._steps.it.forward_started(args, kwargs or {})
 
     # ---------------------------------------------------- used by the control
     def model(self) -> nn.Module:

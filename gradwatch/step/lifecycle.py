@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 import time
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -19,15 +16,15 @@ from gradwatch.errors import GradwatchWarning, GroupLeft, RunError, TrainingHalt
 from gradwatch.guard import Guard, guarded
 from gradwatch.judging.judge import Judge
 from gradwatch.step import observed as obs
-from gradwatch.step import preclip, stats
+from gradwatch.step import stats
 from gradwatch.step.control import LoopControl
 from gradwatch.step.iteration import Iteration
 from gradwatch.step.layout import Discovered, unwrap
-from gradwatch.step.measure import Launched, Measure
+from gradwatch.step.measure import Measure
 from gradwatch.step.openstep import Open
 from gradwatch.step.optimizers import Optimizers, closure_at, measured_closure, replace_closure
 from gradwatch.step.origin import Tracker
-from gradwatch.step.recording import Recording
+from gradwatch.step.reading import Measured, Reading
 from gradwatch.step.relayout import Looks
 from gradwatch.step.snapshots import Snapshots, rng_state
 from gradwatch.store.findings import Finding
@@ -38,19 +35,7 @@ if TYPE_CHECKING:  # the settings are built by the public face (gradwatch.option
     from gradwatch.options import Options
 
 
-@dataclass
-class Measured:
-    """A step's statistics after its one host read."""
-
-    launched: Launched
-    vectors: dict[tuple[str, str], np.ndarray]
-    scalars: dict[str, float]
-    total: float  # the global gradient norm
-    nonfinite: bool  # some gradient holds inf or NaN
-    counts: dict[str, int]  # how many values of each observed name the read took
-
-
-class Lifecycle(Recording):
+class Lifecycle(Reading):
     """The steps of one watched model: the optimizer step moment, and the story of each step.
 
     Args:
@@ -216,57 +201,6 @@ class Lifecycle(Recording):
         self.step += 1
         self.it.stepped()
         return step, now
-
-    def _measure(self, step: int, opt: torch.optim.Optimizer | None) -> Measured:
-        """Launch the step's statistics and read them, with the observed values, in one host read."""
-        if self.group is not None:  # this step's collectives begin, on every rank alike
-            self.group.begin(step, self.found.params, self.guard.moments)
-        if step == 0 and self.found.params[self.it.sentinel].grad is None:
-            self.it.move_sentinel()
-        sampled = self.sampled(step)
-        launched = self.measure.launch(sampled, self.it.probe.take_activations() if sampled else [])
-        observed, self.it.observed = self.it.observed, {}
-        obs_parts = obs.device_parts(observed)
-        lr = opt.param_groups[0].get("lr") if opt is not None and "lr" not in observed else None
-        lr_parts = [lr] if isinstance(lr, torch.Tensor) else []
-        refs, self.it.refs = self.it.refs, None  # changed in place since backward: clipped (or unscaled)
-        refs = refs if refs is not None and not launched.sharded and preclip.changed(refs, self.found.params) else None
-        scale = self._loss_scale() if refs is not None else None
-        ref_parts = preclip.parts(refs, scale) if refs is not None else []
-        upd, late = (self.pending.update_parts, self.pending.late_parts()) if self.pending is not None else ([], [])
-        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *ref_parts, *upd, *late])  # the step's one read
-        if launched.sharded and self.group is not None:  # FSDP: the shards' statistics make the model's
-            spans = self.measure.spans(launched)
-            if upd:
-                start = launched.size + len(obs_parts) + len(lr_parts)
-                spans.append((start, start + sum(p.numel() for p in upd), "norm"))
-            host = self.group.combine(host, spans)
-        k = launched.size
-        gnorm = host[:len(launched.gidx)]
-        total = math.sqrt(float(gnorm @ gnorm)) if len(gnorm) else math.nan
-        vectors = self.measure.vectors(launched, host[:k], finite=math.isfinite(total))
-        scalars = obs.scalars(observed, host[k:k + len(obs_parts)])
-        k += len(obs_parts)
-        if lr_parts:
-            scalars["lr"], k = float(host[k]), k + 1
-        elif type(lr) is float or isinstance(lr, numbers.Real):  # the ABC check costs 10 us: floats first
-            scalars["lr"] = float(lr)
-        if refs is not None:
-            preclip.apply(scalars, refs, host[k:k + len(ref_parts)], gnorm, launched.gidx, total, scale is not None)
-            k += len(ref_parts)
-        if self.pending is not None:  # the previous sampled step's update norms came with this read
-            self._record_pending(host[k:])
-        if sampled and not self.sampled(step + 1):
-            self.it.probe.detach_activations()
-        # a finite total means finite norms; an infinite one may come from finite norms (overflow)
-        return Measured(launched, vectors, scalars, total, nonfinite=not math.isfinite(total) and not
-                        np.isfinite(gnorm).all(), counts={name: len(values) for name, values in observed.items()})
-
-    def _loss_scale(self) -> torch.Tensor | None:
-        """The scale of the GradScaler that scaled this step's backward pass, if one did (on the device)."""
-        scalers = self.control.objects()[2]
-        scale = getattr(scalers[0], "_scale", None) if scalers else None
-        return scale if isinstance(scale, torch.Tensor) else None
 
     def _judge(self, record: StepRecord, nonfinite: bool) -> list[Finding]:
         """What is wrong with the step: the detectors' findings (every rank agreeing), with the
