@@ -252,3 +252,30 @@ def test_the_docs_hook_writes_every_kinds_remedies() -> None:
     for kind, explained in KINDS.items():
         assert f"### `{kind}`: {explained.title}" in text and explained.remedies[0] in text
     assert "<!-- gradwatch:remedies -->" in (DOCS / "findings.md").read_text(encoding="utf-8")
+
+
+def test_the_tutorials_source_shows_its_outputs_and_pictures() -> None:
+    """docs/tutorial.md read in the repository (as on GitHub) shows real outputs and pictures, not placeholders."""
+    hook = _hook()
+    text = (DOCS / "tutorial.md").read_text(encoding="utf-8")
+    shown = hook.shown_outputs(text)
+    assert set(shown) == {*hook.COMMANDS, "read"}, "every command's output is in the page, once"
+    assert text.count("<!-- gradwatch:output ") == len(shown) and hook.BARE.search(text) is None
+    for name, output in shown.items():
+        assert output.strip() and "gradwatch:" not in output, name
+        if name in hook.COMMANDS:
+            assert output.startswith(f"$ {hook.COMMANDS[name][0]}\n"), name
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert sorted(pictures) == sorted(f"img/tutorial/{name}" for name in hook.SCREENSHOTS)
+    for picture in pictures:
+        assert (DOCS / picture).read_bytes().startswith(b"\x89PNG"), picture
+    with pytest.raises(Exception, match="no ```text block"):
+        hook.with_outputs("<!-- gradwatch:output train -->\n", shown)
+
+
+@pytest.mark.slow  # runs the tutorial's script and commands
+def test_the_tutorials_outputs_in_its_source_are_what_it_prints(tmp_path: Path) -> None:
+    """What the page shows is what the tutorial prints now (`python docs/_hooks/generated.py` writes it)."""
+    hook = _hook()
+    shown = hook.shown_outputs((DOCS / "tutorial.md").read_text(encoding="utf-8"))
+    assert hook.run_tutorial(tmp_path) == shown

@@ -2,11 +2,19 @@
 
 - ``<!-- gradwatch:remedies -->`` in a page becomes what each finding kind means and what to try,
   from ``gradwatch.report.remedies`` (the text the report and the dashboard show);
-- ``<!-- gradwatch:output NAME -->`` becomes the output of one of the tutorial's commands, run by
-  the build in a fresh folder (``COMMANDS``; ``read``: the Python block after
-  ``<!-- gradwatch:run read -->`` in the tutorial);
+- the ```` ```text ```` block after ``<!-- gradwatch:output NAME -->`` in the tutorial is the
+  output of one of its commands (``COMMANDS``; ``read``: the Python block after
+  ``<!-- gradwatch:run read -->``). The page's source holds the real output, so that it reads
+  whole in the repository too; the build runs the commands again in a fresh folder, puts what
+  they print in the site, and warns (which fails ``mkdocs build --strict``) where the source
+  says something else;
 - ``img/tutorial/*.png`` are screenshots of that run's HTML report and of the live dashboard,
-  taken by the build in Debian's chromium through Playwright (no browser is downloaded).
+  taken in Debian's chromium through Playwright (no browser is downloaded). They are committed
+  in ``docs/img/tutorial/`` and the build takes them again for the site.
+
+``python docs/_hooks/generated.py`` runs the tutorial and writes both into the source: the
+outputs into ``docs/tutorial.md``, the screenshots into ``docs/img/tutorial/``. Run it when a
+change alters what the tutorial prints or shows.
 
 Nothing here is fetched from the network, and the built pages load nothing from it. While
 writing, ``GRADWATCH_DOCS_CACHE=/some/folder mkdocs serve`` makes the tutorial's run once and
@@ -31,6 +39,7 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = ROOT / "docs" / "tutorial.md"
+IMAGES = ROOT / "docs" / "img" / "tutorial"  # the screenshots, as committed
 CHROMIUM = os.environ.get("GRADWATCH_CHROMIUM", "/usr/bin/chromium")
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -109,6 +118,32 @@ def run_tutorial(where: Path) -> dict[str, str]:
     return outputs
 
 
+#: an output in the tutorial's source: its marker, then the fenced text block that holds it
+OUTPUT = re.compile(r"<!-- gradwatch:output ([\w-]+) -->\n```text\n(.*?)\n```$", re.S | re.M)
+#: a marker with no text block after it (the block is the output; the marker alone shows nothing)
+BARE = re.compile(r"<!-- gradwatch:output ([\w-]+) -->(?!\n```text\n)")
+
+
+def shown_outputs(markdown: str) -> dict[str, str]:
+    """The outputs a page's source shows, by name."""
+    return {found.group(1): found.group(2) for found in OUTPUT.finditer(markdown)}
+
+
+def with_outputs(markdown: str, outputs: dict[str, str]) -> str:
+    """``markdown`` with each output's text block holding ``outputs[name]``."""
+    bare = BARE.search(markdown)
+    if bare is not None:
+        raise PluginError(f"<!-- gradwatch:output {bare.group(1)} --> has no ```text block after it")
+
+    def output(found: re.Match[str]) -> str:
+        name = found.group(1)
+        if name not in outputs:
+            raise PluginError(f"no tutorial output named {name!r}")
+        return f"<!-- gradwatch:output {name} -->\n```text\n{outputs[name]}\n```"
+
+    return OUTPUT.sub(output, markdown)
+
+
 def screenshots(where: Path, out: Path) -> None:
     """The tutorial run's report, and the dashboard's page of it, in a real browser."""
     if not Path(CHROMIUM).exists():
@@ -170,7 +205,10 @@ def on_files(files: Files, config: Any) -> Files:
             screenshots(where, images)
             saved.write_text(json.dumps(_made["outputs"]), encoding="utf-8")
         _made["images"] = images
-    for name in SCREENSHOTS:
+    for name in SCREENSHOTS:  # this build's pictures, in place of the committed ones
+        committed = files.get_file_from_path(f"img/tutorial/{name}")
+        if committed is not None:
+            files.remove(committed)
         files.append(File.generated(config, f"img/tutorial/{name}", abs_src_path=str(_made["images"] / name)))
     return files
 
@@ -203,10 +241,32 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     if "<!-- gradwatch:remedies -->" in markdown:
         markdown = markdown.replace("<!-- gradwatch:remedies -->", remedies())
 
-    def output(found: re.Match[str]) -> str:
-        name = found.group(1)
-        if name not in _made.get("outputs", {}):
-            raise PluginError(f"{page.file.src_uri}: no tutorial output named {name!r}")
-        return f"```text\n{_made['outputs'][name]}\n```"
+    if "<!-- gradwatch:output " not in markdown:
+        return markdown
+    outputs = _made.get("outputs", {})
+    for name, text in shown_outputs(markdown).items():
+        if name in outputs and text != outputs[name]:
+            log.warning("%s: the output of %r in the source is not what the tutorial prints now; "
+                        "run `python docs/_hooks/generated.py` to write it there", page.file.src_uri, name)
+    try:
+        return with_outputs(markdown, outputs)
+    except PluginError as error:
+        raise PluginError(f"{page.file.src_uri}: {error}") from None
 
-    return re.sub(r"<!-- gradwatch:output ([\w-]+) -->", output, markdown)
+
+# ------------------------------------------------------------------ the source's outputs and pictures
+def update() -> None:
+    """Run the tutorial; write its outputs into docs/tutorial.md and its screenshots into docs/img/tutorial/."""
+    with tempfile.TemporaryDirectory(prefix="gradwatch-docs-") as folder:
+        where = Path(folder) / "tutorial"
+        where.mkdir()
+        outputs = run_tutorial(where)
+        IMAGES.mkdir(parents=True, exist_ok=True)
+        screenshots(where, IMAGES)
+    TUTORIAL.write_text(with_outputs(TUTORIAL.read_text(encoding="utf-8"), outputs), encoding="utf-8")
+    print(f"wrote {len(outputs)} outputs into {TUTORIAL.relative_to(ROOT)} and {len(SCREENSHOTS)} screenshots "
+          f"into {IMAGES.relative_to(ROOT)}/")
+
+
+if __name__ == "__main__":
+    update()
