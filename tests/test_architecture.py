@@ -204,3 +204,22 @@ def test_module_is_small_and_names_its_stage(name: str) -> None:
     assert doc, f"{path.relative_to(ROOT)} has no module docstring"
     assert len(source.splitlines()) <= MAX_LINES, (
         f"{path.relative_to(ROOT)} has {len(source.splitlines())} lines; split it (modules of one concept, ~300 lines)")
+
+
+def test_the_architecture_page_names_files_that_exist() -> None:
+    """Every file or folder docs/architecture.md names in backticks is there (from the root, or in gradwatch/)."""
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`((?:[\w.]+/)*[\w.]+(?:\.py|/))`", text))
+    assert len(named) > 40
+    missing = [p for p in sorted(named) if not (ROOT / p).exists() and not (ROOT / "gradwatch" / p).exists()]
+    assert not missing, f"docs/architecture.md names files that are not there: {missing}"
+
+
+def test_the_architecture_page_lists_every_folder_and_top_level_module() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    top = [p.name for p in sorted((ROOT / "gradwatch").iterdir())
+           if (p.suffix == ".py" and p.name != "__main__.py") or (p.is_dir() and (p / "__init__.py").exists())]
+    absent = [name for name in top if f"`{name}`" not in text and f"`gradwatch/{name}" not in text]
+    assert not absent, f"docs/architecture.md's layer table leaves out {absent}"
