@@ -181,6 +181,11 @@ def test_unreadable_runs_exit_2_with_one_line(tmp_path: Path, runs: dict[str, Pa
         assert result.returncode == 2, target
         assert result.stderr.count("\n") == 1 and reason in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+        assert result.stdout == "", "said once, on stderr"
+    mixed = gradwatch("check", str(runs["healthy"]), str(tmp_path / "missing"))
+    assert mixed.returncode == 2
+    assert "PASS" in mixed.stdout and "missing" not in mixed.stdout, mixed.stdout  # the readable run is reported
+    assert mixed.stderr.count("\n") == 1 and "does not exist" in mixed.stderr, mixed.stderr
     both = gradwatch("check", str(runs["healthy"]), str(tmp_path / "missing"), "--format", "json")
     assert both.returncode == 2
     assert [r["verdict"] for r in json.loads(both.stdout)] == ["pass", "error"], "readable runs are still reported"

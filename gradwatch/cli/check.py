@@ -47,8 +47,8 @@ def check(runs: tuple[str, ...], fail_on: str, fmt: str, output: Path | None, ru
         validate(rules)  # a bad rules file is a usage error before any run is read
     results = [judge_run(path, fail_on, rules, accept) for path in expand(runs)]
     if fmt == "text":
-        if output is None:
-            render_text(results, sys.stdout)
+        if output is None:  # an unreadable run is said once, on stderr (below), not in the table too
+            render_text([r for r in results if r.error is None], sys.stdout)
         else:
             from io import StringIO
 
