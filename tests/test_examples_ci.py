@@ -114,6 +114,34 @@ def test_broken_training_fails_the_smoke_test_and_the_gate(tmp_path: Path) -> No
                      re.MULTILINE), checked.stdout
     assert re.search(r"^::error title=gradwatch (exploding|nonfinite) at .+ of runs/.+::", checked.stdout,
                      re.MULTILINE), checked.stdout
+    # what the README quotes is what the example prints
+    prose = " ".join(README.read_text().split())
+    (halted,) = re.findall(r'\("(gradwatch halted training at step \d+: [^"]+)"\)', prose)
+    assert halted in result.stdout, halted
+    _assert_quoted(_readme_annotations(), checked.stdout)
+
+
+README = EXAMPLE / "README.md"
+
+
+def _readme_annotations() -> list[str]:
+    """The gate's annotations the README quotes (``runs/...``: a run; a line ending `` ...``: cut short)."""
+    (block,) = re.findall(r"The gate\s+fails too.*?\n```\n(.*?)```", README.read_text(), re.S)
+    return block.splitlines()
+
+
+def _assert_quoted(quoted: list[str], output: str) -> None:
+    """Each quoted line is a line of ``output``, in the same order (``...`` alone: lines left out)."""
+    lines = output.splitlines()
+    at = 0
+    for line in (q for q in quoted if q != "..."):
+        cut = line.endswith(" ...")
+        pattern = re.escape(line[:-4] if cut else line).replace(re.escape("runs/..."), r"runs/[\w.\-]+")
+        found = next((i for i in range(at, len(lines)) if re.fullmatch(pattern + (".*" if cut else ""), lines[i])),
+                     None)
+        assert found is not None, f"examples/ci/README.md quotes a line the gate does not print:\n{line}\n{output}"
+        at = found + 1
+    assert len([q for q in quoted if q != "..."]) >= 3
 
 
 def test_workflow_installs_tests_gates_and_uploads() -> None:
