@@ -88,6 +88,9 @@ def one_line(exc: click.ClickException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: the command's exit status."""
+    from gradwatch.cli import shadowed
+
+    shadowed.warn()  # a folder named gradwatch here, which scripts run here would import instead of gradwatch
     try:
         cli.main(args=argv, prog_name="gradwatch", standalone_mode=True)
     except SystemExit as exc:
