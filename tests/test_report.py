@@ -319,6 +319,11 @@ def test_layer_table(pages: dict[str, str]) -> None:
     rows = [a["data-layer"] for a in page.by_class("layer-row")]
     assert rows == ["features", "hidden", "act", "out"]
     assert page.by_id("layer-table")["class"] == "sortable"
+    # four layers in the table, two in the gradient flow: the page says which have none, and why
+    assert page.figure("flow")["layout"]["xaxis"]["ticktext"] == ["hidden", "out"]
+    assert page.by_id("layers-note")["class"] == "note"
+    assert ("features (LogFeatures) and act (Tanh) have no parameters, so no gradient of their own: the gradient "
+            "flow leaves them out.") in page.all_text
     flags = [a for a in page.by_class("flag")]
     assert any("nonfinite" in a["class"] for a in flags)
 
@@ -508,3 +513,16 @@ def test_log_axes_label_every_tick_with_its_value(tmp_path: Path) -> None:
     wide = Page(render(synthetic(tmp_path / "wide", 8, 30, spike=(20, 3))))
     assert log_axes(wide.figure("flow")) == {"grad norm": POWERS}  # layers from 1e-6 to 1
     assert log_axes(wide.figure("timeline")) == {"grad norm": PLAIN}  # the global norm: 0.55 to 1e4
+
+
+def test_the_layers_without_a_gradient_are_named() -> None:
+    from gradwatch.report.text import without_gradients
+
+    assert without_gradients([("0", "Linear", 10, True), ("1", "ReLU", 0, False), ("2", "Linear", 5, True)]) == (
+        "'1' (ReLU) has no parameters, so no gradient of its own: the gradient flow leaves it out.")
+    assert without_gradients([("fc", "Linear", 10, True)]) == ""
+    frozen = without_gradients([("embed", "Embedding", 100, False), ("head", "Linear", 10, True)])
+    assert frozen == ("embed (Embedding) has parameters but no finite gradient norm recorded (frozen, not used in "
+                      "the loss, or NaN/Inf throughout): the gradient flow leaves it out.")
+    many = without_gradients([(f"blocks.{i}.act", "GELU", 0, False) for i in range(12)])
+    assert many.startswith("blocks.0.act (GELU), blocks.1.act (GELU), ") and " and 4 more have no parameters" in many

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from gradwatch.report import items as explained
-from gradwatch.report import summary
+from gradwatch.report import summary, text
 from gradwatch.report.items import Item
 from gradwatch.store import downsample, verdict
 from gradwatch.store.reader import Run
@@ -97,6 +97,7 @@ class Report:
     heats: list[Heat]
     layers: list[LayerRow]
     notes: list[str] = field(default_factory=list)
+    layers_note: str = ""  # which layers have no gradient norm, and why
     generated: float = field(default_factory=time.time)
 
 
@@ -224,6 +225,7 @@ def collect(run: Run, name: str | None = None) -> Report:
         heats=heats,
         layers=layers,
         notes=notes,
+        layers_note=text.without_gradients([(r.layer, r.type, r.params, math.isfinite(r.grad_max)) for r in layers]),
     )
 
 

@@ -1,4 +1,4 @@
-"""Report text: numbers, durations and times written for people."""
+"""Report text: numbers, durations, times and lists of layers written for people."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from gradwatch import encoding
+from gradwatch import encoding, wording
 
 
 def fmt(value: Any) -> str:
@@ -45,3 +45,30 @@ def duration(seconds: float) -> str:
 def stamp(t: Any) -> str | None:
     """A local date and time from seconds since the epoch (None for anything else)."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t))) if isinstance(t, int | float) else None
+
+
+def without_gradients(layers: list[tuple[str, str, int, bool]], most: int = 8) -> str:
+    """Which layers have no gradient norm, and why, from (name, type, parameters, has a gradient) in model order.
+
+    The layer table lists every layer, the gradient flow only those with gradients: a layer without
+    parameters (an activation, a pooling) has no gradient of its own. Empty when every layer has one.
+    """
+    def names(rows: list[tuple[str, str, int, bool]]) -> str:
+        shown = [wording.layer(name, typ) for name, typ, _, _ in rows[:most]]
+        if len(rows) > most:
+            return ", ".join(shown) + f" and {len(rows) - most:,} more"
+        return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+
+    sentences = []
+    bare = [row for row in layers if row[2] == 0]
+    if bare:
+        one = len(bare) == 1
+        sentences.append(f"{names(bare)} {'has' if one else 'have'} no parameters, so no gradient of "
+                         f"{'its' if one else 'their'} own: the gradient flow leaves {'it' if one else 'them'} out.")
+    unfed = [row for row in layers if row[2] > 0 and not row[3]]
+    if unfed:
+        one = len(unfed) == 1
+        sentences.append(f"{names(unfed)} {'has' if one else 'have'} parameters but no finite gradient norm "
+                         "recorded (frozen, not used in the loss, or NaN/Inf throughout): the gradient flow leaves "
+                         f"{'it' if one else 'them'} out.")
+    return " ".join(sentences)
