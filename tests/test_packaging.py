@@ -114,3 +114,23 @@ def test_repository_top_level_holds_only_the_projects_entries() -> None:
     unexpected = sorted(top - KNOWN_TOP_LEVEL)
     assert unexpected == [], f"unexpected files at the repository's top level: {unexpected}"
     assert {"pyproject.toml", "README.md", "gradwatch", "integrations", "dashboards", "tests", "examples"} <= top
+
+
+def test_every_package_folder_is_in_pyprojects_package_list() -> None:
+    """The fast check of what the wheel test finds: a sub-package missing from [tool.setuptools] packages
+    works in an editable install and is absent from every real one.
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed = set(config["packages"])
+    folders = {"gradwatch": "gradwatch", **{v: k for k, v in config["package-dir"].items()}}
+    found = set()
+    for folder, package in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            if "__pycache__" not in init.parts:
+                found.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
