@@ -18,8 +18,9 @@ from gradwatch.store import decode
 from gradwatch.store.lock import writer_alive
 from gradwatch.store.names import owner_name
 from gradwatch.store.records import LAYER, PARAM, Layout, StepRecord
+from gradwatch.store.restarts import Restarts
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION
-from gradwatch.store.series import Series, where_clause
+from gradwatch.store.series import Series, bounds, where_clause
 
 FINDING_COLUMNS = ["step", "kind", "severity", "layer", "phase", "message", "action", "data"]
 #: findings columns that can be missing (a global finding has no layer): None there, never NaN
@@ -41,7 +42,7 @@ def open_run(path: str | os.PathLike[str]) -> Run:
     return Run(path)
 
 
-class Run(Series):
+class Run(Series, Restarts):
     """A recorded run, read-only; safe to use while the training process is still writing it."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -163,14 +164,14 @@ class Run(Series):
 
         Returns ``steps`` (count), ``last_step`` (None before the first), ``row`` (the newest
         stored vector's row id: it grows whenever vectors are written, for any step), ``findings``
-        (count) and ``status``.
+        (count), ``status`` and ``restarts`` (count: what was read before a restart is read again).
         """
         (steps, last), = self._query("SELECT COUNT(*), MAX(step) FROM steps")
         (row,), = self._query("SELECT MAX(rowid) FROM vectors")
         (findings,), = self._query("SELECT COUNT(*) FROM findings")
         decode.checked(self._db, "the steps", {"the last step": last})
         return {"steps": int(steps), "last_step": None if last is None else int(last), "row": int(row or 0),
-                "findings": int(findings), "status": self.status}
+                "findings": int(findings), "status": self.status, "restarts": self.restart_count()}
 
     def written_since(self, metric: str, row: int = 0, scope: str = LAYER) -> tuple[int, int, int] | None:
         """Vectors of ``metric`` stored after row id ``row`` (see :meth:`progress`), for incremental readers.
@@ -267,20 +268,20 @@ class Run(Series):
             trainable=trainable,
         )
 
-    def records(self, chunk: int = 1000) -> Iterator[StepRecord]:
+    def records(self, chunk: int = 1000, steps: slice | None = None) -> Iterator[StepRecord]:
         """Replay the stored steps as step records, in step order (for detectors run offline).
 
         Vectors exist on the steps they were written for (logged steps; per-parameter vectors
         on detailed ones); ``flight`` is never set. Reads ``chunk`` steps at a time, so memory
-        stays bounded on long runs.
+        stays bounded on long runs; ``steps`` (a ``slice(start, stop)``) reads a range.
         """
         layouts: dict[int, Layout] = {}
         last = self._query("SELECT MAX(step) FROM steps")[0][0]
         if last is None:
             return
-        for start in range(0, decode.integer(self._db, "the last step", last) + 1, chunk):
-            window = slice(start, start + chunk)
-            where, args = where_clause("name", None, window)
+        lo, end = bounds(steps, decode.integer(self._db, "the last step", last) + 1)
+        for start in range(lo, end, chunk):
+            where, args = where_clause("name", None, window := slice(start, min(start + chunk, end)))
             scalars: dict[int, dict[str, float]] = {}
             with decode.decoding(self._db, "the global scalars"):
                 for name, step, value in self._query(f"SELECT name, step, value FROM scalars WHERE {where}", args):

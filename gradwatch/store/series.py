@@ -46,6 +46,13 @@ def where_clause(column: str, names: list[str] | None, steps: slice | None) -> t
     return where, args
 
 
+def bounds(steps: slice | None, end: int) -> tuple[int, int]:
+    """The first step and the end (exclusive) of ``steps`` (a ``slice(start, stop)``, None: all) within 0..end."""
+    if steps is None:
+        return 0, end
+    return max(0, steps.start or 0), end if steps.stop is None else min(end, steps.stop)
+
+
 def _bits(mask: bytes, cols: list[int]) -> np.ndarray:
     flags = np.unpackbits(np.frombuffer(mask, dtype=np.uint8))
     return flags[cols].astype(bool)
