@@ -39,6 +39,11 @@ class Options:
         activations: take activation statistics with forward hooks on sampled steps.
         tensorboard: write TensorBoard event files into the run directory.
         overwrite: replace a finished run already stored in the run directory.
+        resume: continue the run stored in the run directory (a job restarted from a checkpoint);
+            without one there, a new run starts. See docs/watching.md, "Runs that resume".
+        start_step: the number of the first step this process trains (a resumed job: its
+            checkpoint's step); stored steps from it on are superseded. None: 0 for a new run, the
+            step after the last stored one for a resumed run.
         queue_size: records buffered between the training thread and the writer thread.
         flush_seconds: longest time a record waits in the writer before it is committed
             (at most an hour).
@@ -69,6 +74,8 @@ class Options:
     activations: bool = True
     tensorboard: bool = True
     overwrite: bool = False
+    resume: bool = False
+    start_step: int | None = None
     queue_size: int = 1024
     flush_seconds: float = 1.0
     detectors: Mapping[str, Mapping[str, Any]] | None = None
@@ -130,9 +137,16 @@ class Options:
             from gradwatch.detectors import build
 
             build(self.detectors)
-        for name in ("activations", "tensorboard", "overwrite", "origin", "console"):
+        for name in ("activations", "tensorboard", "overwrite", "resume", "origin", "console"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"option {name} must be True or False, got {getattr(self, name)!r}")
+        if self.resume and self.overwrite:
+            raise ConfigError("options resume=True and overwrite=True contradict each other: resume continues the "
+                              "stored run, overwrite replaces it; pass one of them")
+        start = self.start_step
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
+            raise ConfigError(f"option start_step must be a step number >= 0 (the checkpoint's step) or None, "
+                              f"got {start!r}")
         if (not isinstance(self.flush_seconds, (int, float)) or isinstance(self.flush_seconds, bool)
                 or not 0 < self.flush_seconds <= MAX_FLUSH_SECONDS):
             raise ConfigError(f"option flush_seconds must be a finite positive number of seconds, at most "

@@ -53,9 +53,11 @@ class Watcher(FrameworkAPI):
         #: every hook, callback and thread of this watcher runs through it: a failure detaches the watcher
         self.guard = Guard(self._fail)
         out = startup.open_outputs(run_dir, startup.run_meta(model, found, options, config), options, config,
-                                   self.guard)
+                                   self.guard, found.layout)
         self.options, self.writes, self._writer = out.options, out.writes, out.writer
+        found, start = startup.first_step(out, found, options, run_dir)  # a resumed run goes on from its step
         self.judge = Judge(config, self.options, self._writer, out.plugin_actions)
+        startup.prime(self.judge, out, run_dir)
         self.control = LoopControl(self)
         #: samples left out of :meth:`batches` (a rule's ``skip_samples``), in the run's ``skip_samples.txt``
         self.skip_list = SkipList(run_dir if self.writes else None)
@@ -66,6 +68,7 @@ class Watcher(FrameworkAPI):
         self._steps = Lifecycle(model, found, self.options, judge=self.judge, control=self.control,
                                 writer=self._writer, tracker=Tracker(model) if self.options.origin else None,
                                 group=out.group, snapshots=self.snapshots, guard=self.guard)
+        self._steps.step = start
 
     @property
     def step(self) -> int:

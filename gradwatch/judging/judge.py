@@ -13,7 +13,7 @@ import math
 import numbers
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -102,6 +102,26 @@ class Judge:
                 continue
             out += found
         return out
+
+    def resume(self, records: Iterable[StepRecord], next_id: int, counts: dict[str, int], worst: str | None) -> int:
+        """Go on judging a resumed run: the detectors' baselines are primed with the stored steps before
+        the restart (``records``, in step order; what they find is dropped: the stored run holds the
+        findings of those steps), finding ids go on from ``next_id``, and the kept findings count.
+
+        Returns:
+            how many records primed the detectors.
+        """
+        self._ids = itertools.count(next_id)
+        self.counts, self.worst = {**self.counts, **counts}, worst
+        primed = 0
+        for record in records:
+            record.skipped = record.skipped and "grad_norm" not in record.scalars  # as the detectors saw it then
+            if self._causes is not None:
+                self._causes.loss_of(record)
+            self._run(self._now, record)
+            self._run(self._late, record)
+            primed += 1
+        return primed
 
     def remember(self, record: StepRecord) -> None:
         """Keep a record in the flight recorder (records written without their per-layer rows)."""

@@ -1,5 +1,9 @@
 """TensorBoard sink: step records as event files in the run directory, one event per step.
 
+A resumed run (``resume=True``) writes a new event file that starts with a ``SessionLog.START``
+at the step it continues from, as ``SummaryWriter(purge_step=...)`` does: TensorBoard's reader
+then drops the earlier files' events of that step and later (the superseded ones).
+
 Tags are ``<metric>/<layer>`` so that TensorBoard groups per-layer series by metric, and
 ``global/<name>`` for the global gradient norm, loss, learning rate and observed scalars.
 ``grad_nonfinite/<layer>`` points are written only where the count is non-zero. Each event file
@@ -46,10 +50,13 @@ def _masked_crc(data: bytes) -> bytes:
 class EventFile:
     """An append-only TensorBoard event file (TFRecord framing of ``Event`` protos)."""
 
-    def __init__(self, logdir: Path) -> None:
+    def __init__(self, logdir: Path, *, last: bool = False) -> None:
         from tensorboard.compat.proto import event_pb2
 
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_counter)}"
+        stamp = int(time.time())
+        if last:  # named to sort after every event file there: TensorBoard reads a run's files in name order
+            stamp = max([stamp, *(_stamp(p.name) + 1 for p in logdir.glob("events.out.tfevents.*"))])
+        name = f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}.{next(_counter)}"
         self.path = logdir / name
         self._file = self.path.open("ab")
         self._kept = 0  # bytes of whole events on disk (as of the last flush)
@@ -82,6 +89,12 @@ class EventFile:
     def close(self) -> None:
         """Flush and close the file."""
         self._file.close()
+
+
+def _stamp(name: str) -> int:
+    """The time stamp in an event file's name (``events.out.tfevents.<stamp>.<host>...``; -1 if none)."""
+    part = name.split(".")[3:4]
+    return int(part[0]) if part and part[0].isdigit() else -1
 
 
 #: the custom-scalars layout, as the JSON form of TensorBoard's ``Layout`` proto, in ``gradwatch.dashboards``
@@ -165,11 +178,14 @@ def _event(wall_time: float, step: int, summary: bytes) -> bytes:
 class TensorBoard:
     """Writes per-layer metrics on logged steps and global scalars on every step."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, purge_step: int | None = None) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
 
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
-        self._file = EventFile(run_dir)
+        self._file = EventFile(run_dir, last=purge_step is not None)
+        if purge_step is not None:  # a resumed run: TensorBoard drops the earlier files' events from this step on
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._file.write(self._event(wall_time=time.time(), step=purge_step, session_log=start))
         self._file.write(self._event(wall_time=time.time(), step=0, summary=custom_scalars()))
         self._file.flush()
         self._run = run_dir
