@@ -166,12 +166,12 @@ class Envelopes:
     def __init__(self, budget: int = 512 * 2**20, capacity: int = 1024) -> None:
         self.budget = budget
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[Path, str], _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[Path, str, int], _Entry] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, run: Run, metric: str) -> _Entry:
         """The envelope of ``metric`` over ``run``'s layers, brought up to date with the store."""
-        key = (run.path.resolve(), metric)
+        key = (run.path.resolve(), metric, run.restart_count())  # a restart supersedes steps: read afresh
         names = run.layers
         with self._lock:
             entry = self._entries.get(key)
@@ -207,12 +207,13 @@ class Curves:
 
     def __init__(self, limit: int = 64) -> None:
         self.limit = limit
-        self._series: OrderedDict[tuple[Path, Any, str], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._series: OrderedDict[tuple[Path, Any, int, str], tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, run: Run, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``(steps, values)`` of a global scalar, up to date with the store."""
-        key = (run.path.resolve(), run.meta.get("created"), name)  # a run written again afresh is another run
+        # a run written again afresh is another run; a restart supersedes steps: read afresh
+        key = (run.path.resolve(), run.meta.get("created"), run.restart_count(), name)
         with self._lock:
             cached = self._series.get(key)
         if cached is None:

@@ -15,6 +15,9 @@ from gradwatch.store.listing import find_runs
 from gradwatch.store.reader import Run, open_run
 from gradwatch.store.schema import DB_NAME
 
+#: what ``check --format json`` says of each restart of a resumed run
+RESTART_KEYS = ("step", "superseded", "previous_status", "layout_changed")
+
 
 @dataclass
 class Checked:
@@ -32,6 +35,8 @@ class Checked:
     incomplete: dict[str, Any] | None = None
     ended: dict[str, Any] = field(default_factory=dict)  # how it ended (``Run.ended``)
     accept: tuple[str, ...] = ()  # the statuses of runs that did not finish that pass (``--accept``)
+    #: where a resumed run's later processes took over (``Run.restarts``): reported, never a failure
+    restarts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def failing(self) -> list[gate.Item]:
@@ -56,10 +61,13 @@ class Checked:
         return verdict.describe(self.ended or {"status": self.status})
 
     def to_json(self) -> dict[str, Any]:
-        """PRODUCT.md's object for one run (plus ``status``, ``unfinished``, ``incomplete``, ``fail_on``, ``error``)."""
+        """PRODUCT.md's object for one run (plus ``status``, ``unfinished``, ``incomplete``, ``restarts``,
+        ``fail_on``, ``error``).
+        """
         out: dict[str, Any] = {"run": self.run, "verdict": self.verdict, "steps": self.steps,
                                "status": self.status, "unfinished": self.unfinished,
                                "incomplete": self.incomplete, "fail_on": self.fail_on,
+                               "restarts": [{k: r[k] for k in RESTART_KEYS} for r in self.restarts],
                                "findings": [f.to_json() for f in self.findings]}
         if self.status in verdict.UNFINISHED and self.error is None:
             out["ended"] = self.ended or {"status": self.status}
@@ -80,6 +88,7 @@ def judge_run(path: str, fail_on: str, rules: Path | None, accept: tuple[str, ..
             checked.steps, checked.status, checked.incomplete = run.steps, run.status, run.incomplete
             run.check_vectors()  # one verdict for one store: a vector that report or open_run call damaged
             checked.ended = run.ended
+            checked.restarts = run.restarts
             halted = verdict.halted(run.path) if checked.status == "halted" else None
             checked.halted = f" at step {halted.get('step')}: {halted['reason']}" if halted else ""
             checked.findings = gate.items(_findings(run, rules))

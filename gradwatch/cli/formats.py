@@ -36,7 +36,7 @@ def render_text(results: list[Checked], file: Any) -> None:
             console.print(f"[bold]{escape(res.run)}[/bold]: [red]cannot be read[/red]: {escape(res.error)}")
             continue
         shown = [f for f in res.findings if f.severity != "info" or res.fail_on == "info"]
-        title = f"{res.run}: {res.steps} steps, {res.how}{res.halted}{_incomplete(res)}"
+        title = f"{res.run}: {res.steps} steps, {res.how}{res.halted}{_incomplete(res)}{restarted(res.restarts)}"
         if shown:
             table = Table(title=escape(title), title_justify="left")
             for col in ("step", "severity", "kind", "layer", "action", "message"):
@@ -59,6 +59,22 @@ def render_text(results: list[Checked], file: Any) -> None:
             console.print(f"[bold red]FAIL[/]: {n} finding{plural} at or above {res.fail_on} in {escape(res.run)}")
         elif not res.unfinished:
             console.print(f"[bold green]PASS[/]: no finding at or above {res.fail_on} in {escape(res.run)}")
+
+
+def restarted(restarts: list[dict[str, Any]]) -> str:
+    """``, resumed at step 5000 (400 steps of the earlier process superseded)`` for a run that resumed, else
+    nothing.
+    """
+    if not restarts:
+        return ""
+    parts = []
+    for r in restarts:
+        notes = [f"{r['superseded']} step{'s' * (r['superseded'] != 1)} of the earlier process superseded"
+                 ] if r["superseded"] else []
+        if r.get("layout_changed"):
+            notes.append("another model layout")
+        parts.append(f"step {r['step']}" + (f" ({'; '.join(notes)})" if notes else ""))
+    return f", resumed at {', '.join(parts)}"
 
 
 def _incomplete(res: Checked) -> str:
