@@ -1,11 +1,18 @@
-"""torch.distributed: two real processes on the gloo backend, each watching its DDP replica."""
+"""torch.distributed: two real processes on the gloo backend, each watching its DDP replica.
+
+The two ranks are started once for the module (starting a process that imports torch costs
+seconds): they play every scenario in turn, each in a process group of its own (initialised and
+destroyed as a training script does) with its own run, and each test reads its scenario's results.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import traceback
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +25,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradwatch as gw
 
-pytestmark = pytest.mark.slow  # two real processes on the gloo backend per test
+pytestmark = pytest.mark.slow  # two real processes on the gloo backend
 
 WORLD = 2
 STEPS = 12
+SCENARIOS = ("healthy", "nan", "divergence", "halt", "fsdp", "fsdp_last_sampled", "fail_in_step",
+             "fail_between_steps", "rollback_unwritable", "rollback_lost", "rollback_diverged")
+#: a collective that waits longer than this raises on its rank (a deadlock fails its scenario, not the others)
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
 def free_port() -> int:
@@ -30,12 +41,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
-    """One rank: build the same model, watch the DDP wrapper, train, report what it saw."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, port: int, out: str, scenarios: tuple[str, ...]) -> None:
+    """One rank: every scenario in turn, each writing its results to ``out/<scenario>/rank{rank}.json``.
+
+    The ranks meet at one TCP store (rank 0's, on ``port``); each scenario's process group has its
+    own keys in it.
+    """
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT)
+    for scenario in scenarios:
+        with warnings.catch_warnings():  # a scenario's warning filters end with it
+            play(rank, dist.PrefixStore(scenario, store), Path(out, scenario), scenario)
+    store.set(f"done{rank}", "1")
+    if rank == 0:  # the store lives in this process: it stays until every rank is through
+        store.wait([f"done{r}" for r in range(WORLD)])
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank}))
+
+
+def play(rank: int, store: dist.Store, out: Path, scenario: str) -> None:
+    """One scenario on one rank: build the same model, watch the DDP wrapper, train, report what it saw."""
+    out.mkdir(parents=True, exist_ok=True)
+    run = str(out / "run")
     result: dict[str, Any] = {"rank": rank}
+    restore: Callable[[], None] | None = None
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
         torch.manual_seed(0)  # the same initial weights on both ranks
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         fsdp = scenario.startswith("fsdp")
@@ -62,7 +91,7 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
                 snaps = Path(out, "blocked", "snaps")
             options.update(snapshot_dir=str(snaps))
         if scenario.startswith("fail") and rank == 1:
-            plant_failure(scenario)
+            restore = plant_failure(scenario)
         gw.watch(ddp, run=run, **options)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
@@ -112,17 +141,18 @@ def worker(rank: int, port: int, run: str, scenario: str, out: str) -> None:
     except BaseException:
         result["error"] = traceback.format_exc()
     finally:
+        if restore is not None:
+            restore()
         if dist.is_initialized():
             dist.destroy_process_group()
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def plant_failure(scenario: str) -> None:
+def plant_failure(scenario: str) -> Callable[[], None]:
     """A bug in gradwatch on this rank only, at step 5: inside the step (before the ranks share
     their findings) or between steps (in the optimizer's step post-hook, after they shared).
+    Returns what takes it out again (the next scenario runs in the same process).
     """
-    import warnings
-
     from gradwatch.judging.judge import Judge
     from gradwatch.step.recording import Recording
 
@@ -136,6 +166,11 @@ def plant_failure(scenario: str) -> None:
             return check(self, record)
 
         Judge.check = broken_check  # type: ignore[method-assign]
+
+        def restore() -> None:
+            Judge.check = check  # type: ignore[method-assign]
+
+        return restore
     else:
         post = Recording.step_post
 
@@ -145,6 +180,11 @@ def plant_failure(scenario: str) -> None:
             return post(self, opt)
 
         Recording.step_post = broken_post  # type: ignore[method-assign]  # run by the guard, as every hook is
+
+        def restore_post() -> None:
+            Recording.step_post = post  # type: ignore[method-assign]
+
+        return restore_post
 
 
 def spawn_ranks(target: Any, args: tuple[Any, ...], out: Path, timeout: float = 120,
@@ -170,14 +210,25 @@ def spawn_ranks(target: Any, args: tuple[Any, ...], out: Path, timeout: float = 
     return results
 
 
-def launch(tmp_path: Path, scenario: str) -> tuple[Path, list[dict[str, Any]]]:
-    run = tmp_path / "run"
-    results = spawn_ranks(worker, (str(run), scenario, str(tmp_path)), tmp_path)
-    return run, results
+@pytest.fixture(scope="module")
+def played(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every scenario played by one pair of ranks; the folder of their results."""
+    out = tmp_path_factory.mktemp("ddp")
+    spawn_ranks(worker, (str(out), SCENARIOS), out, timeout=120 + 30 * len(SCENARIOS))
+    return out
 
 
-def test_healthy_ddp_run_is_written_once_by_rank_0(tmp_path: Path) -> None:
-    run, results = launch(tmp_path, "healthy")
+def launch(played: Path, scenario: str) -> tuple[Path, list[dict[str, Any]]]:
+    """A scenario's run and each rank's results; fails if a rank reported an error (a collective that
+    timed out included)."""
+    results = [json.loads((played / scenario / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r in results:
+        assert "error" not in r, r["error"]
+    return played / scenario / "run", results
+
+
+def test_healthy_ddp_run_is_written_once_by_rank_0(played: Path) -> None:
+    run, results = launch(played, "healthy")
     with gw.open_run(run) as stored:
         assert stored.steps == STEPS and stored.status == "finished"
         assert stored.meta["world_size"] == WORLD
@@ -187,8 +238,8 @@ def test_healthy_ddp_run_is_written_once_by_rank_0(tmp_path: Path) -> None:
     assert json.loads((run / "verdict.json").read_text())["status"] == "finished"
 
 
-def test_nan_on_one_rank_is_skipped_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
-    run, results = launch(tmp_path, "nan")
+def test_nan_on_one_rank_is_skipped_on_every_rank_at_the_same_step(played: Path) -> None:
+    run, results = launch(played, "nan")
     for r in results:
         assert r["changed"]["5"] == 0.0, f"rank {r['rank']} applied the poisoned step"
         assert r["changed"]["6"] > 0.0, f"rank {r['rank']} went on training"
@@ -204,8 +255,8 @@ def test_nan_on_one_rank_is_skipped_on_every_rank_at_the_same_step(tmp_path: Pat
     assert nonfinite["phase"].iloc[0] == "forward" and nonfinite["message"].iloc[0].endswith("(born on rank 1 of 2)")
 
 
-def test_replicas_that_drift_apart_are_found(tmp_path: Path) -> None:
-    run, _ = launch(tmp_path, "divergence")
+def test_replicas_that_drift_apart_are_found(played: Path) -> None:
+    run, _ = launch(played, "divergence")
     with gw.open_run(run) as stored:
         found = stored.findings()
     diverged = found[found["kind"] == "replica_divergence"]
@@ -214,8 +265,8 @@ def test_replicas_that_drift_apart_are_found(tmp_path: Path) -> None:
     assert "differ across the 2 ranks" in diverged["message"].iloc[0]
 
 
-def test_halt_decided_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
-    run, results = launch(tmp_path, "halt")
+def test_halt_decided_on_one_rank_stops_every_rank_at_the_same_step(played: Path) -> None:
+    run, results = launch(played, "halt")
     assert [r.get("halted_at") for r in results] == [5, 5], "both ranks raised TrainingHalted at step 5"
     with gw.open_run(run) as stored:
         assert stored.status == "halted" and stored.steps == 6
@@ -223,8 +274,8 @@ def test_halt_decided_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Pa
     assert verdict["status"] == "halted" and verdict["halted"]["step"] == 5
 
 
-def test_fsdp_per_parameter_norms_are_the_whole_gradients(tmp_path: Path) -> None:
-    run, results = launch(tmp_path, "fsdp")
+def test_fsdp_per_parameter_norms_are_the_whole_gradients(played: Path) -> None:
+    run, results = launch(played, "fsdp")
     full = results[0]["full_norms"]
     with gw.open_run(run) as stored:
         assert stored.steps == STEPS and stored.findings().empty
@@ -241,11 +292,11 @@ def test_fsdp_per_parameter_norms_are_the_whole_gradients(tmp_path: Path) -> Non
         assert global_norm[step] == pytest.approx(expected, rel=1e-5), step
 
 
-def test_fsdp_update_ratios_are_the_whole_models_or_left_out_at_the_last_step(tmp_path: Path) -> None:
+def test_fsdp_update_ratios_are_the_whole_models_or_left_out_at_the_last_step(played: Path) -> None:
     """A sampled step's update norms are read with the next step's, combined across the shards;
     the last step's have no next step, and one rank alone cannot combine them: left out, not a
     shard's ratio."""
-    run, results = launch(tmp_path, "fsdp_last_sampled")
+    run, results = launch(played, "fsdp_last_sampled")
     whole = results[0]["update_ratios"]
     with gw.open_run(run) as stored:
         assert stored.steps == STEPS and stored.findings().empty
@@ -260,8 +311,8 @@ def test_fsdp_update_ratios_are_the_whole_models_or_left_out_at_the_last_step(tm
 
 @pytest.mark.parametrize(("scenario", "left_at"), [("fail_in_step", 5), ("fail_between_steps", 6)])
 def test_gradwatch_failing_on_one_rank_stops_it_on_every_rank_at_the_same_step(
-        tmp_path: Path, scenario: str, left_at: int) -> None:
-    run, results = launch(tmp_path, scenario)  # no rank hangs in a collective (launch asserts it)
+        played: Path, scenario: str, left_at: int) -> None:
+    run, results = launch(played, scenario)  # no rank hangs in a collective (launch asserts it)
     for r in results:
         assert len(r["changed"]) == STEPS, f"rank {r['rank']} stopped training"
         assert r["detached"] is True, f"rank {r['rank']} still watches"
@@ -272,14 +323,14 @@ def test_gradwatch_failing_on_one_rank_stops_it_on_every_rank_at_the_same_step(
         assert opened.steps == left_at
 
 
-def test_a_rollback_one_rank_cannot_do_is_a_skip_on_every_rank(tmp_path: Path) -> None:
+def test_a_rollback_one_rank_cannot_do_is_a_skip_on_every_rank(played: Path) -> None:
     """Rank 1 could keep no snapshot (its snapshot_dir is unwritable): both ranks skip, and say why."""
-    run, results = launch(tmp_path, "rollback_unwritable")
+    run, results = launch(played, "rollback_unwritable")
     for r in results:
         assert r["changed"]["5"] == 0.0, f"rank {r['rank']} applied the poisoned step"
         assert r["changed"]["6"] > 0.0, f"rank {r['rank']} went on training"
     assert results[0]["weight_sum"] == results[1]["weight_sum"], "the replicas are still one model"
-    assert sorted(p.name for p in (tmp_path / "snaps0").glob("*.pt")), "rank 0 kept its snapshots"
+    assert sorted(p.name for p in (played / "rollback_unwritable" / "snaps0").glob("*.pt")), "rank 0 kept its snapshots"
     with gw.open_run(run) as stored:
         found = stored.findings()
         assert stored.skipped_steps().tolist() == [5]
@@ -291,8 +342,8 @@ def test_a_rollback_one_rank_cannot_do_is_a_skip_on_every_rank(tmp_path: Path) -
     assert "replica_divergence" not in set(found["kind"]), "checked at the step after the rollback: one model"
 
 
-def test_a_rollback_to_a_snapshot_lost_on_one_rank_halts_every_rank(tmp_path: Path) -> None:
-    run, results = launch(tmp_path, "rollback_lost")
+def test_a_rollback_to_a_snapshot_lost_on_one_rank_halts_every_rank(played: Path) -> None:
+    run, results = launch(played, "rollback_lost")
     assert [r.get("halted_at") for r in results] == [5, 5], "both ranks raised TrainingHalted at step 5"
     assert results[0]["weight_sum"] == results[1]["weight_sum"], "neither rank restored a snapshot alone"
     with gw.open_run(run) as stored:
@@ -302,8 +353,8 @@ def test_a_rollback_to_a_snapshot_lost_on_one_rank_halts_every_rank(tmp_path: Pa
     assert "not intact on every rank" in verdict["halted"]["reason"]
 
 
-def test_the_replicas_are_compared_at_the_step_after_a_rollback(tmp_path: Path) -> None:
-    run, _ = launch(tmp_path, "rollback_diverged")
+def test_the_replicas_are_compared_at_the_step_after_a_rollback(played: Path) -> None:
+    run, _ = launch(played, "rollback_diverged")
     with gw.open_run(run) as stored:
         found = stored.findings()
     assert found[found["kind"] == "nonfinite"]["action"].tolist() == ["rollback"]
