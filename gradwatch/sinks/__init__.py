@@ -74,7 +74,8 @@ def plugin_sinks(option: Any, run_dir: Path) -> list[Any]:
             try:
                 built.append(cls(run_dir, **settings))
             except Exception as exc:  # the plugin's own __init__, e.g. a setting it does not take
-                raise ConfigError(f"sink plugin {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
+                said = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"  # its own words
+                raise ConfigError(f"sink plugin {name!r} failed to start: {said}") from exc
     except BaseException:
         for sink in built:
             sink.close("crashed")

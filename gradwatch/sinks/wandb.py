@@ -1,0 +1,253 @@
+"""Weights & Biases sink: a run's statistics, findings and verdict in the active ``wandb.run``.
+
+``gw.watch(model, sinks=["wandb"])`` (or ``sinks = ["wandb"]`` in a config file) writes, from the
+writer thread:
+
+- every step, one history row: ``gradwatch/step`` and the global series ``gradwatch/global/<name>``
+  (``grad_norm``, ``loss``, ``lr`` and any observed scalar; ``skipped`` on a skipped step);
+- on sampled steps (and the steps the flight recorder sends when a finding fires, and a step with
+  NaN/Inf gradients) also ``gradwatch/<metric>/<layer>`` for every per-layer statistic;
+- every finding as a row of the ``gradwatch/findings`` table (kind, severity, layer, step, action,
+  message, repeats), logged again when new findings arrive (at most every ``table_every`` seconds)
+  and at the end; an alert (``run.alert``) for each error, at most one per kind per ``alert_every``
+  seconds;
+- at the end, the verdict in the run summary: ``gradwatch/verdict`` (``pass``, or ``fail`` for an
+  error finding or a run that did not finish), ``gradwatch/status``, ``gradwatch/steps``,
+  ``gradwatch/worst``, ``gradwatch/counts`` and ``gradwatch/run`` (the run directory).
+
+The step axis: ``gradwatch/*`` is declared with ``define_metric(..., step_metric="gradwatch/step")``,
+so every gradwatch chart is drawn against the training step, and ``wandb.log`` is never given
+``step=``: the writer thread runs behind training, and a ``step=`` behind the run's current step is
+dropped by W&B, as a user's own would be behind gradwatch's. W&B's own row counter (``_step``) is
+shared by everyone who logs; see docs/integrations.md for what that means for a user's own logging.
+
+``wandb`` is imported when the sink starts: without it, ``gw.watch`` fails with one line saying
+how to install it. With no active run, the sink starts one (``wandb.init(name=<run dir name>,
+**init)``), says so on the ``gradwatch`` logger, and finishes it when the run closes; a run the
+user started is left open for the user to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradwatch.errors import ConfigError
+from gradwatch.store.findings import SEVERITIES, Finding, rank
+from gradwatch.store.records import LAYER, StepRecord, present
+from gradwatch.store.verdict import UNFINISHED
+
+log = logging.getLogger("gradwatch")
+#: the clock of the alerts' and the table's rate limits (seconds)
+now = time.monotonic
+
+#: the columns of the findings table, in order
+COLUMNS = ("kind", "severity", "layer", "step", "action", "message", "repeats")
+MISSING = "it needs the wandb package, which is not installed: pip install 'gradwatch[wandb]'"
+
+
+def _check(name: str, value: Any, ok: bool, wanted: str) -> None:
+    if not ok:
+        raise ConfigError(f"its setting {name} must be {wanted}, got {value!r}")
+
+
+def _seconds(name: str, value: Any) -> float:
+    _check(name, value, isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+           and value >= 0, "a number of seconds, 0 or more")
+    return float(value)
+
+
+class Wandb:
+    """Writes a gradwatch run into the active W&B run (or one it starts).
+
+    Args:
+        run_dir: the gradwatch run directory (names a run the sink starts; in the summary).
+        init: keyword arguments of ``wandb.init`` for the run the sink starts when none is active
+            (``project``, ``entity``, ``mode``, ``dir`` ...); unused when a run is active.
+        layer_metrics: the per-layer metrics to write (None: every one the step measured; an empty
+            list: none).
+        alerts: send a W&B alert for each error finding.
+        alert_every: the fewest seconds between two alerts of the same kind (the errors in between
+            are counted in the next one).
+        table_every: the fewest seconds between two logs of the findings table while training (it
+            is always logged at the end).
+        prefix: the namespace of every key (two watched models in one W&B run need two).
+    """
+
+    def __init__(self, run_dir: Path, *, init: Mapping[str, Any] | None = None,
+                 layer_metrics: Sequence[str] | None = None, alerts: bool = True, alert_every: float = 600.0,
+                 table_every: float = 60.0, prefix: str = "gradwatch") -> None:
+        _check("init", init, init is None or (isinstance(init, Mapping) and all(isinstance(k, str) for k in init)),
+               "a table of wandb.init keyword arguments")
+        _check("layer_metrics", layer_metrics, layer_metrics is None or (
+            isinstance(layer_metrics, (list, tuple)) and all(isinstance(m, str) for m in layer_metrics)),
+            "a list of metric names")
+        _check("alerts", alerts, isinstance(alerts, bool), "true or false")
+        _check("prefix", prefix, isinstance(prefix, str) and bool(prefix.strip("/")) and "*" not in prefix,
+               "a non-empty key prefix without '*'")
+        self._alert_every, self._table_every = _seconds("alert_every", alert_every), _seconds("table_every",
+                                                                                              table_every)
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ConfigError(MISSING) from exc
+        self._wandb = wandb
+        self._dir = run_dir
+        self._prefix = prefix.strip("/")
+        self._step_key = f"{self._prefix}/step"
+        self._metrics = None if layer_metrics is None else frozenset(layer_metrics)
+        self._alerts = alerts
+        self.owned = wandb.run is None
+        self.run: Any
+        if self.owned:
+            self.run = wandb.init(**{"name": run_dir.name, **(init or {})})
+            log.warning("gradwatch: no W&B run was active, so the wandb sink started one (%s, %s); it ends with "
+                        "the gradwatch run. Call wandb.init() before gw.watch to log into your own run.",
+                        self.run.name, self.run.url or f"offline, in {Path(self.run.dir).parent}")
+        else:
+            self.run = wandb.run
+        self._name = self.run.name
+        self.run.define_metric(self._step_key)
+        self.run.define_metric(f"{self._prefix}/*", step_metric=self._step_key, step_sync=True)
+        self._keys: dict[tuple[int, str], np.ndarray] = {}  # (layout version, metric) -> key per layer
+        self._globals: dict[str, str] = {}
+        self._last_step = -1
+        self._findings: dict[object, Finding] = {}  # by id: the latest version of each
+        self._table_due = False
+        self._table_at = -math.inf  # now() of the last table logged
+        self._alerted: dict[str, tuple[float, int]] = {}  # kind -> (time of its last alert, errors since)
+        self._gone = False  # the W&B run was finished under the sink
+
+    # ---------------------------------------------------------------- sink
+    def write(self, records: Sequence[StepRecord]) -> None:
+        """One history row per record: its global series, and its per-layer ones where written."""
+        for rec in records:
+            row: dict[str, Any] = {self._step_key: rec.step}
+            if not rec.flight:
+                row.update((self._global(name), value) for name, value in rec.scalars.items())
+                if rec.skipped:
+                    row[self._global("skipped")] = 1.0
+            # per-layer series: sampled steps and NaN/Inf steps when they come; a flight-recorder copy of any
+            # other step when a finding fires (a copy of one of the former would repeat it)
+            first = rec.sampled or not rec.gradients_finite()
+            if (first and not rec.flight) or (rec.flight and not first):
+                self._layers(rec, row)
+            if len(row) > 1 and self._log(row):
+                self._last_step = max(self._last_step, rec.step)
+        if self._table_due and now() - self._table_at >= self._table_every:
+            self._log_table()
+
+    def write_findings(self, findings: Sequence[Finding]) -> None:
+        """Keep the findings (an update replaces its earlier version), alert on new errors, log the table."""
+        for f in findings:
+            key = f.id if f.id is not None else object()
+            if key not in self._findings and f.severity == "error" and self._alerts:
+                self._alert(f)
+            self._findings[key] = f
+        self._table_due = True
+        if now() - self._table_at >= self._table_every:
+            self._log_table()
+
+    def close(self, status: str) -> None:
+        """Log the final findings table and put the verdict in the run summary; finish a run the sink started."""
+        if self._table_due:
+            self._log_table()
+        if not self._gone:
+            try:
+                self.run.summary.update(self.verdict(status))
+            except self._wandb.errors.UsageError:
+                self._finished_under()
+        if self.owned and not self._gone:
+            self.run.finish(exit_code=0 if status not in UNFINISHED else 1)
+
+    def verdict(self, status: str) -> dict[str, Any]:
+        """The summary entries of a run that closed as ``status`` (``pass`` unless an error or not finished)."""
+        counts = dict.fromkeys(SEVERITIES, 0)
+        for f in self._findings.values():
+            counts[f.severity] += int(f.data.get("repeats", 1))
+        worst = max((s for s, n in counts.items() if n), key=rank, default=None)
+        failed = counts["error"] > 0 or status in UNFINISHED
+        p = self._prefix
+        return {f"{p}/verdict": "fail" if failed else "pass", f"{p}/status": status,
+                f"{p}/steps": self._last_step + 1, f"{p}/worst": worst or "none", f"{p}/counts": counts,
+                f"{p}/run": str(self._dir)}
+
+    # ------------------------------------------------------------- helpers
+    def _global(self, name: str) -> str:
+        key = self._globals.get(name)
+        if key is None:
+            key = self._globals[name] = f"{self._prefix}/global/{name}"
+        return key
+
+    def _layers(self, rec: StepRecord, row: dict[str, Any]) -> None:
+        """Add the record's per-layer values (those measured; non-zero NaN/Inf counts only) to ``row``."""
+        for (scope, metric), vec in rec.vectors.items():
+            if scope != LAYER or (self._metrics is not None and metric not in self._metrics):
+                continue
+            shown = present(rec, scope, metric)
+            if metric == "grad_nonfinite":
+                shown &= vec != 0  # a flat zero series per layer is noise; the store keeps it
+            index = np.flatnonzero(shown)
+            if len(index):
+                row.update(zip(self._layer_keys(rec, metric)[index].tolist(), vec[index].tolist()))
+
+    def _layer_keys(self, rec: StepRecord, metric: str) -> np.ndarray:
+        found = self._keys.get((rec.layout.version, metric))
+        if found is None:
+            found = self._keys[(rec.layout.version, metric)] = np.array(
+                [f"{self._prefix}/{metric}/{layer}" for layer in rec.layout.layers], dtype=object)
+        return found
+
+    def _log(self, row: dict[str, Any]) -> bool:
+        """``run.log(row)`` (never ``step=``: see the module's docstring); False once the run was finished."""
+        if self._gone:
+            return False
+        try:
+            self.run.log(row)
+        except self._wandb.errors.UsageError:
+            self._finished_under()
+            return False
+        return True
+
+    def _finished_under(self) -> None:
+        if not self._gone:
+            self._gone = True
+            log.warning("gradwatch: the W&B run %s was finished before the gradwatch run %s closed: what gradwatch "
+                        "writes after that (its last steps, findings and verdict) is not in W&B. Close the watcher "
+                        "(gw.watcher(model).close()) before wandb.finish().", self._name, self._dir)
+
+    def _log_table(self) -> None:
+        """Log every finding so far as one table (a new version of ``<prefix>/findings``)."""
+        rows = sorted(self._findings.values(), key=lambda f: (f.step, f.id if f.id is not None else 0))
+        data = [[f.kind, f.severity, f.layer, f.step, f.action, f.message, int(f.data.get("repeats", 1))]
+                for f in rows]
+        table = self._wandb.Table(columns=list(COLUMNS), data=data)
+        step = max(self._last_step, max((f.step for f in rows), default=0))
+        self._log({f"{self._prefix}/findings": table, self._step_key: step})
+        self._table_due, self._table_at = False, now()
+
+    def _alert(self, f: Finding) -> None:
+        """An error alert for ``f``, unless one of its kind went out less than ``alert_every`` seconds ago."""
+        moment = now()
+        last, since = self._alerted.get(f.kind, (-math.inf, 0))
+        if moment - last < self._alert_every:
+            self._alerted[f.kind] = (last, since + 1)
+            return
+        self._alerted[f.kind] = (moment, 0)
+        where = f", layer {f.layer}" if f.layer else ""
+        action = f" Action: {f.action}." if f.action else ""
+        more = f" ({since} more {f.kind} error(s) since the last alert.)" if since else ""
+        if self._gone:
+            return
+        try:
+            self.run.alert(title=f"gradwatch: {f.kind}"[:63], text=f"{self._dir.name}, step {f.step}{where}: "
+                           f"{f.message}{action}{more}", level="ERROR",
+                           wait_duration=self._alert_every or None)
+        except self._wandb.errors.UsageError:
+            self._finished_under()

@@ -1,0 +1,361 @@
+"""The wandb sink, with the real wandb package in offline mode: what it wrote is read back from the run's own
+transaction log (tests/wandb_offline.py), nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import wandb
+from torch import nn
+
+import gradwatch as gw
+from gradwatch.sinks import wandb as wandb_sink
+from gradwatch.store import verdict
+from gradwatch.store.findings import Finding
+from gradwatch.testing import SinkContract
+from tests.wandb_offline import OfflineRun
+from tests.wandb_offline import offline_runs as read_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, NAN_STEP = 40, 25
+
+
+@pytest.fixture
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """W&B in offline mode, writing under ``tmp_path/wandb``; every run finished and wandb torn down after."""
+    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+                        "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true"}.items():
+        monkeypatch.setenv(name, value)
+    wandb.teardown()  # wandb reads its environment once per setup: this test's settings, not a former one's
+    yield tmp_path
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()
+
+
+class LogFeatures(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # NaN for a negative input
+
+
+def model_and_data() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(LogFeatures(), nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.rand(256, 4) + 0.5
+    return model, x, torch.log(x) @ torch.randn(4, 1)
+
+
+def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, nan_at: int | None = NAN_STEP,
+          run: Any = None) -> None:
+    """STEPS steps of SGD, a NaN planted in the batch of step ``nan_at``; ``run``: the user logs too."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        xb = x[torch.randint(0, len(x), (16,), generator=gen)].clone()
+        if step == nan_at:
+            xb[0, 0] = -1.0
+        loss = nn.functional.mse_loss(model(xb), y[:16])
+        optimizer.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        optimizer.step()
+        if run is not None:
+            run.log({"train/step": step, "train/loss": loss.item()})
+
+
+def offline_runs(root: Path) -> list[OfflineRun]:
+    """The offline runs under ``root``, once wandb's service has written all of them (it is torn down)."""
+    wandb.teardown()
+    return read_runs(root)
+
+
+def values_steps(values: dict[tuple[int, str, str], float]) -> set[int]:
+    return {step for step, _, _ in values}
+
+
+def same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-9, abs=0)
+
+
+def gradwatch_rows(found: OfflineRun) -> list[dict[str, Any]]:
+    return [row for row in found.rows if "gradwatch/global/grad_norm" in row]
+
+
+def layer_values(found: OfflineRun) -> dict[tuple[int, str, str], float]:
+    """``{(step, layer, metric): value}`` of every per-layer key gradwatch wrote."""
+    out = {}
+    for row in found.rows:
+        for key, value in row.items():
+            parts = key.split("/", 2)
+            if parts[0] == "gradwatch" and len(parts) == 3 and parts[1] not in ("global", "findings"):
+                out[(row["gradwatch/step"], parts[2], parts[1])] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------------ into a user's run
+@pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
+def test_a_users_run_gets_every_step_the_sampled_layers_the_findings_the_verdict_and_one_alert(
+        offline: Path) -> None:
+    model, x, y = model_and_data()
+    run = wandb.init(project="gradwatch-tests")
+    run.define_metric("train/*", step_metric="train/step")
+    gw.watch(model, run=offline / "run", console=False, sinks=["wandb"])
+    train(model, x, y, run=run)
+    gw.watcher(model).close()
+    assert wandb.run is run, "the user's run is left open for the user"
+    run.log({"train/step": STEPS, "train/loss": 0.0})  # and still takes the user's rows
+    run.finish()
+
+    (found,) = offline_runs(offline)
+    stored = gw.open_run(offline / "run")
+    # every step once, its global series as the store has them, against gradwatch's own step axis
+    rows = gradwatch_rows(found)
+    assert [row["gradwatch/step"] for row in rows] == list(range(STEPS))
+    scalars = stored.scalars()
+    for name in ("grad_norm", "loss", "lr"):
+        for row in rows:
+            assert same(row[f"gradwatch/global/{name}"], float(scalars.loc[row["gradwatch/step"], name])), name
+    assert math.isnan(rows[NAN_STEP]["gradwatch/global/grad_norm"])
+    assert [row["gradwatch/step"] for row in rows if "gradwatch/global/skipped" in row] == [NAN_STEP]
+    (axis,) = [m for m in found.metrics if m.glob_name == "gradwatch/*"]
+    assert axis.step_metric == "gradwatch/step"
+    # no row was given step=: W&B's own row counter runs on, and the user's rows are all kept
+    assert [row["_step"] for row in found.rows] == list(range(len(found.rows)))
+    assert [row["train/step"] for row in found.rows if "train/loss" in row] == list(range(STEPS + 1))
+
+    # per-layer statistics: on sampled steps (and the NaN step), each as the store has it
+    info = stored.step_info()
+    sampled = set(info.loc[info["sampled"], "step"])
+    values = layer_values(found)
+    assert values_steps(values) == sampled | {NAN_STEP}
+    metrics = stored.metrics()
+    layers = {(int(r.step), r.layer, r.metric): float(r.value) for r in metrics.itertuples() if r.layer is not None}
+    assert all(same(value, layers[key]) for key, value in values.items())  # a NaN gradient is a NaN there too
+    assert {key for key, value in layers.items() if key[0] in values_steps(values) and not math.isnan(value)
+            and not (key[2] == "grad_nonfinite" and value == 0)} <= set(values)
+    assert {metric for _, _, metric in values} >= {"grad_norm", "grad_max", "param_norm", "update_ratio",
+                                                   "act_norm", "act_zero_frac", "grad_nonfinite"}
+    assert {layer for _, layer, _ in values} == set(stored.layers)
+
+    # every finding as a row of the findings table
+    findings = stored.findings()
+    table = found.table("gradwatch/findings")
+    assert [(r["kind"], r["severity"], r["layer"], r["step"], r["action"], r["message"]) for r in table] == [
+        (f.kind, f.severity, f.layer, int(f.step), f.action, f.message) for f in findings.itertuples()]
+    assert ("nonfinite", "error", NAN_STEP, "skip") in [(r["kind"], r["severity"], r["step"], r["action"])
+                                                        for r in table]
+
+    # the verdict in the summary, as gradwatch's own verdict file counts it
+    own = verdict.read(offline / "run")
+    assert own is not None
+    assert {k: found.summary[f"gradwatch/{k}"] for k in ("verdict", "status", "steps", "worst", "counts", "run")} == {
+        "verdict": "fail", "status": "finished", "steps": STEPS, "worst": "error", "counts": own["findings"],
+        "run": str(offline / "run")}
+    # one alert for the error, none for the rest
+    assert [(a.title, a.level) for a in found.alerts] == [("gradwatch: nonfinite", "ERROR")]
+    assert f"step {NAN_STEP}" in found.alerts[0].text and "Action: skip." in found.alerts[0].text
+    assert found.exit_code == 0
+
+
+# ----------------------------------------------------------------------- from a config file, a run of its own
+@pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
+def test_named_in_pyproject_it_starts_a_run_says_so_and_finishes_it(
+        offline: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    (offline / "pyproject.toml").write_text(
+        '[tool.gradwatch]\nconsole = false\n\n[tool.gradwatch.sinks.wandb]\nlayer_metrics = ["grad_norm"]\n'
+        'init = { project = "from-pyproject", tags = ["nightly"] }\n', encoding="utf-8")
+    monkeypatch.chdir(offline)
+    model, x, y = model_and_data()
+    assert wandb.run is None
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        gw.watch(model, run=offline / "healthy")
+    (said,) = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
+    assert "no W&B run was active, so the wandb sink started one (healthy, offline, in " in said
+    started = wandb.run
+    assert started is not None and started.project == "from-pyproject" and started.tags == ("nightly",)
+    train(model, x, y, nan_at=None)
+    gw.watcher(model).close()
+    assert wandb.run is None, "the run the sink started ends with the gradwatch run"
+
+    (found,) = offline_runs(offline)
+    assert [row["gradwatch/step"] for row in gradwatch_rows(found)] == list(range(STEPS))
+    assert {metric for _, _, metric in layer_values(found)} == {"grad_norm"}  # layer_metrics
+    assert found.summary["gradwatch/verdict"] == "pass" and found.summary["gradwatch/worst"] == "none"
+    assert "gradwatch/findings" not in found.summary and found.alerts == []
+    assert found.exit_code == 0
+
+
+@pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
+def test_a_run_that_did_not_finish_fails_and_its_own_wandb_run_exits_nonzero(offline: Path) -> None:
+    model, x, y = model_and_data()
+    gw.watch(model, run=offline / "run", console=False, sinks={"wandb": {"init": {"project": "p"}}})
+    train(model, x, y, nan_at=None)
+    gw.watcher(model).close("crashed")
+    (found,) = offline_runs(offline)
+    assert (found.summary["gradwatch/verdict"], found.summary["gradwatch/status"]) == ("fail", "crashed")
+    assert found.exit_code == 1
+
+
+# ------------------------------------------------------------------------------ alerts, table, settings
+def finding(kind: str, step: int, id: int, severity: str = "error", **data: Any) -> Finding:
+    return Finding(kind, severity, step, "1", f"{kind} at {step}", value=1.0, action="skip", data=data, id=id)
+
+
+@pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
+def test_alerts_are_rate_limited_per_kind_and_count_what_they_held_back(
+        offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(wandb_sink, "now", lambda: clock[0])
+    run = wandb.init()
+    sink = wandb_sink.Wandb(offline / "run", alert_every=600, table_every=60)
+    sent = [(0, finding("nonfinite", 3, 1)), (10, finding("nonfinite", 4, 2)),   # held back: within 600 s
+            (20, finding("exploding", 5, 3)), (30, finding("vanishing", 6, 4, "warning")),
+            (40, dataclasses.replace(finding("nonfinite", 3, 1), data={"repeats": 3})),  # an update: no alert
+            (700, finding("nonfinite", 9, 5)), (710, finding("nonfinite", 10, 6))]
+    for at, f in sent:
+        clock[0] = at
+        sink.write_findings([f])
+    sink.close("finished")
+    run.finish()
+
+    (found,) = offline_runs(offline)
+    assert [(a.title, a.text.split(": ", 1)[0]) for a in found.alerts] == [
+        ("gradwatch: nonfinite", "run, step 3, layer 1"), ("gradwatch: exploding", "run, step 5, layer 1"),
+        ("gradwatch: nonfinite", "run, step 9, layer 1")]
+    assert found.alerts[2].text.endswith("(1 more nonfinite error(s) since the last alert.)")
+    assert found.alerts[0].wait_duration == 600_000  # W&B's own throttle by title agrees
+    # the table: logged at once (t=0), not again within table_every, then at t=700, and at the close for t=710's
+    versions = [row["gradwatch/step"] for row in found.rows if "gradwatch/findings/path" in row]
+    assert versions == [3, 9, 10]
+    table = found.table("gradwatch/findings")
+    assert [(r["kind"], r["step"], r["repeats"]) for r in table] == [
+        ("nonfinite", 3, 3), ("nonfinite", 4, 1), ("exploding", 5, 1), ("vanishing", 6, 1), ("nonfinite", 9, 1),
+        ("nonfinite", 10, 1)]
+    assert found.summary["gradwatch/counts"] == {"info": 0, "warning": 1, "error": 7}
+
+
+@pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
+def test_two_models_in_one_wandb_run_by_prefix(offline: Path) -> None:
+    run = wandb.init()
+    models = []
+    for prefix in ("encoder", "decoder"):
+        model, x, y = model_and_data()
+        gw.watch(model, run=offline / prefix, console=False, tensorboard=False,
+                 sinks={"wandb": {"prefix": prefix, "alerts": False}})
+        models.append((model, x, y))
+    for model, x, y in models:
+        train(model, x, y)
+        gw.watcher(model).close()
+    run.finish()
+    (found,) = offline_runs(offline)
+    for prefix in ("encoder", "decoder"):
+        assert [r[f"{prefix}/step"] for r in found.rows if f"{prefix}/global/loss" in r] == list(range(STEPS))
+        assert found.summary[f"{prefix}/verdict"] == "fail"
+        assert any(m.glob_name == f"{prefix}/*" and m.step_metric == f"{prefix}/step" for m in found.metrics)
+    assert found.alerts == []
+    assert not any(key.startswith("gradwatch/") for row in found.rows for key in row)
+
+
+@pytest.mark.parametrize(("settings", "said"), [
+    ({"alert_every": -1}, "its setting alert_every must be a number of seconds, 0 or more, got -1"),
+    ({"table_every": "1m"}, "its setting table_every must be a number of seconds, 0 or more, got '1m'"),
+    ({"layer_metrics": "grad_norm"}, "its setting layer_metrics must be a list of metric names"),
+    ({"prefix": "*"}, "its setting prefix must be a non-empty key prefix without '*'"),
+    ({"init": ["project"]}, "its setting init must be a table of wandb.init keyword arguments"),
+    ({"projekt": "x"}, "TypeError: Wandb.__init__() got an unexpected keyword argument 'projekt'"),
+])
+def test_a_bad_setting_is_one_config_error_before_anything_starts(
+        settings: dict[str, Any], said: str, offline: Path) -> None:
+    with pytest.raises(gw.ConfigError) as raised:
+        gw.watch(nn.Linear(2, 1), run=offline / "run", sinks={"wandb": settings})
+    assert str(raised.value).startswith(f"sink plugin 'wandb' failed to start: {said}")
+    assert wandb.run is None and not (offline / "run").exists() and not (offline / "wandb").exists()
+
+
+def test_without_the_wandb_package_gw_watch_says_how_to_install_it(
+        offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` finds when it is not installed
+    with pytest.raises(gw.ConfigError) as raised:
+        gw.watch(nn.Linear(2, 1), run=offline / "run", sinks=["wandb"])
+    assert str(raised.value) == ("sink plugin 'wandb' failed to start: it needs the wandb package, which is not "
+                                 "installed: pip install 'gradwatch[wandb]'")
+    assert not (offline / "run").exists()
+
+
+@pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
+def test_a_wandb_run_finished_before_gradwatch_closes_is_told_once_and_training_goes_on(
+        offline: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, x, y = model_and_data()
+    run = wandb.init()
+    gw.watch(model, run=offline / "run", console=False, sinks=["wandb"], flush_seconds=60)
+    train(model, x, y)
+    run.finish()  # before the watcher closed: its queued steps, findings and verdict have nowhere to go
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        gw.watcher(model).close()
+    said = [r for r in caplog.records if r.name == "gradwatch"]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and not said[0].exc_info
+    assert "was finished before the gradwatch run" in said[0].getMessage()
+    assert "Close the watcher (gw.watcher(model).close()) before wandb.finish()" in said[0].getMessage()
+    assert gw.open_run(offline / "run").steps == STEPS  # the run store has it all
+
+
+# ------------------------------------------------------------------------------------------ the contract
+class TestWandbSink(SinkContract):
+    @pytest.fixture(autouse=True)
+    def _offline(self, offline: Path) -> None:
+        return None
+
+    def make(self, run_dir: Path) -> Any:
+        run_dir.mkdir(parents=True)
+        return wandb_sink.Wandb(run_dir, init={"dir": str(run_dir)})
+
+    def steps(self, run_dir: Path) -> list[int]:
+        (found,) = offline_runs(run_dir)
+        return [row["gradwatch/step"] for row in gradwatch_rows(found)]
+
+
+# ------------------------------------------------------------------------------------------ the example
+@pytest.mark.slow  # runs the example in its own process
+def test_the_wandb_example_runs_as_written(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # the example's own default: offline
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "wandb_example.py"), "--steps", "150"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "verdict: fail | status: finished" in done.stdout
+    (found,) = offline_runs(tmp_path)
+    assert [r["gradwatch/step"] for r in gradwatch_rows(found)] == list(range(150))
+    assert [r["train/step"] for r in found.rows if "train/loss" in r] == list(range(150))
+    assert [(r["kind"], r["step"], r["action"]) for r in found.table("gradwatch/findings")][0] == (
+        "nonfinite", 100, "skip")
+    assert [a.title for a in found.alerts] == ["gradwatch: nonfinite"]
+    assert gw.open_run(tmp_path / "runs" / "wandb").steps == 150
+    assert found.summary["gradwatch/verdict"] == "fail"
+
+
+# ------------------------------------------------------------------------------------------ the benchmark
+@pytest.mark.slow  # trains every variant of the benchmark
+def test_the_cost_benchmark_measures_every_variant(offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A smoke run of benchmarks/wandb_cost.py (its figures are docs/integrations.md's, not asserted here)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gradwatch_wandb_cost", ROOT / "benchmarks" / "wandb_cost.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = bench.main(["--workloads", "mlp", "--rounds", "1", "--steps", "3", "--json", str(offline / "cost.json")])
+    (report,) = out["reports"]
+    assert set(report["variants"]) == set(bench.VARIANTS)
+    assert all(row["steps"] == 3 and row["ms_per_step"] > 0 for row in report["variants"].values())
+    assert "ratio_cpu_vs_wandb_watch" in report and (offline / "cost.json").is_file()
