@@ -150,13 +150,13 @@ def measure(name: str, workload: Workload, variants: list[str], rounds: int, ste
     return list(results.values())
 
 
-def rss_run(steps: int, root: Path, console: Console) -> dict[str, Any]:
-    """Train the gpt workload watched at default settings; sample the RSS every RSS_EVERY steps."""
-    workload = WORKLOADS["gpt"]
+def rss_run(steps: int, root: Path, console: Console, name: str = "gpt") -> dict[str, Any]:
+    """Train a workload watched at default settings; sample the RSS every RSS_EVERY steps."""
+    workload = WORKLOADS[name]
     process = psutil.Process()
     marks = sorted({*range(RSS_EVERY, steps + 1, RSS_EVERY), max(1, steps // 10), steps})
     samples: list[tuple[int, int]] = []
-    with variant_loops("gpt-rss", workload, ["gradwatch"], root) as loops:
+    with variant_loops(f"{name}-rss", workload, ["gradwatch"], root) as loops:
         loop = loops["gradwatch"]
         start = time.perf_counter()
         for mark in marks:
@@ -167,6 +167,7 @@ def rss_run(steps: int, root: Path, console: Console) -> dict[str, Any]:
     rss = dict(samples)
     after_warmup = rss[max(1, steps // 10)]
     return {
+        "workload": name,
         "steps": steps,
         "seconds": seconds,
         "samples": samples,
@@ -175,7 +176,7 @@ def rss_run(steps: int, root: Path, console: Console) -> dict[str, Any]:
         "rss_peak": max(rss.values()),
         "growth_after_warmup": rss[steps] - after_warmup,
         "store": store_size(loop),
-        "health": run_health(loop, "gpt gradwatch (RSS run)", console),
+        "health": run_health(loop, f"{name} gradwatch (RSS run)", console),
     }
 
 

@@ -1,6 +1,6 @@
 """Overhead of gradwatch: per-step training time with and without it, in one process.
 
-Three synthetic, seeded workloads (no downloads):
+Synthetic, seeded workloads (no downloads; the large ones built from their published configs):
 
 - ``gpt``: a small GPT-style decoder (6 pre-LN blocks, d_model 256, 4 heads, vocab 512, seq 128,
   batch 8), AdamW, cross-entropy;
@@ -10,9 +10,14 @@ Three synthetic, seeded workloads (no downloads):
 - ``pg``: many forward calls per step: a REINFORCE rollout of 100 single-sample forward calls of
   the classic policy (Linear 4-128, dropout, ReLU, Linear 128-2, softmax), each sampling an action
   read on the host, then one Adam step per episode;
-- ``gpt2``: the realistic size, a GPT-2-small-shaped model (12 x 768, 12 heads, vocab 50257,
-  tied embeddings) built from a config, 2 x 128 tokens per step, AdamW; measured on its own
-  (``--workloads gpt2``): a step takes seconds on a CPU, so only ``bare``, ``gradwatch`` and ``foreach``.
+- ``many``: many modules that do next to nothing: 1,000 pre-norm residual blocks of LayerNorm,
+  Linear(16, 16) and ReLU and a head (4,003 modules, 3,002 leaves, 4,004 parameters), batch 8, SGD,
+  MSE -- a cost per module or per parameter shows here;
+- ``gpt2`` and ``resnet50``: the realistic sizes, built from their configs: a GPT-2-small-shaped
+  model (12 x 768, 12 heads, vocab 50257, tied embeddings), 2 x 128 tokens per step, AdamW; and a
+  ResNet-50-shaped one (bottleneck blocks 3-4-6-3, BatchNorm, 25.6M parameters), 2 images of
+  224 x 224 per step, SGD with momentum. Measured only when named (``--workloads gpt2,resnet50``):
+  a step takes seconds on a CPU, so only ``bare``, ``gradwatch``, ``foreach`` and ``minimal``.
 
 Each workload is trained in these variants, every one on its own model copy built from the same
 seed and fed the same batches:
@@ -82,20 +87,22 @@ themselves add about a microsecond per call.)
 ``--memory`` measures the peak memory of ``bare``, ``gradwatch`` and ``gradwatch`` with a rollback
 rule (in-memory snapshots) per workload, each in a fresh process (see ``memory.py``).
 
-``--rss-steps N`` first trains the gpt workload for N steps with gradwatch at default settings and
-samples the process RSS every 100 steps, to show that memory is flat after warm-up. For every
+``--rss-steps N`` first trains a workload (``--rss-workload``, default gpt) for N steps with
+gradwatch at default settings and samples the process RSS every 100 steps, to show that memory is
+flat after warm-up. For every
 gradwatch run the size of its run store (SQLite file plus TensorBoard event files) per 1,000
 recorded steps is reported too.
 
 Run it with::
 
-    python benchmarks/overhead.py                                  # gpt, mlp, cnn, pg: ~10-15 minutes
+    python benchmarks/overhead.py                                  # gpt, mlp, cnn, pg, many: ~10-15 minutes
     python benchmarks/overhead.py --workloads mlp,cnn --rounds 3   # a quick check
     python benchmarks/overhead.py --variants gradwatch,gradwatch_no_origin,anomaly --json out.json
     python benchmarks/overhead.py --workloads gpt --rounds 1 --rss-steps 2000 --json out.json
+    python benchmarks/overhead.py --rounds 0 --rss-workload mlp --rss-steps 20000   # RSS over 20,000 steps
     python benchmarks/overhead.py --rounds 0 --attribute 500         # where gradwatch's time goes
     python benchmarks/overhead.py --workloads mlp,pg --rounds 5 --threads 1 --memory
-    python benchmarks/overhead.py --workloads gpt2 --rounds 2          # GPT-2 small: minutes per round
+    python benchmarks/overhead.py --workloads gpt2,resnet50 --rounds 2  # the realistic sizes: minutes per round
     python benchmarks/overhead.py --workloads gpt --variants gradwatch,compiled,gradwatch_compiled
 """
 
@@ -126,7 +133,7 @@ from measuring import (  # noqa: E402
 )
 from memory import MEMORY_VARIANTS, overheads  # noqa: E402
 from variants import OPT_IN, VARIANTS  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
+from workloads import LARGE, WORKLOADS  # noqa: E402
 
 import gradwatch as gw  # noqa: E402
 
@@ -300,7 +307,8 @@ def store_table(rows: list[tuple[str, dict[str, float]]]) -> Table:
 
 
 def rss_table(rss: dict[str, Any]) -> Table:
-    table = Table(title=f"Process RSS, gpt workload with gradwatch (default settings), {rss['steps']} steps")
+    table = Table(title=f"Process RSS, {rss['workload']} workload with gradwatch (default settings), "
+                        f"{rss['steps']} steps")
     table.add_column("step", justify="right")
     table.add_column("RSS (MiB)", justify="right")
     for step, value in rss["samples"]:
@@ -319,21 +327,25 @@ def rss_summary(rss: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="gpt,mlp,cnn,pg",
-                        help="comma-separated subset of: " + ", ".join(WORKLOADS) + " (default: gpt, mlp, cnn, pg; "
-                        "gpt2 only when named: its steps take seconds on a CPU)")
+    parser.add_argument("--workloads", default=",".join(w for w in WORKLOADS if w not in LARGE),
+                        help="comma-separated subset of: " + ", ".join(WORKLOADS) + " (default: all but "
+                        + ", ".join(LARGE) + ", measured only when named: their steps take seconds on a CPU)")
     parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in OPT_IN),
                         help="comma-separated subset of: " + ", ".join(VARIANTS)
                         + " (default: all but " + ", ".join(OPT_IN) + ", which compile the model; bare is "
                         "always measured, it is the baseline; a workload with a list of its own, such as gpt2, "
                         "measures only the chosen ones in it)")
     parser.add_argument("--rounds", type=int,
-                        help="interleaved rounds per workload (default: 5 gpt, 11 mlp, 9 cnn, 9 pg, 2 gpt2)")
-    parser.add_argument("--steps", type=int, help="steps per block (default: 10 gpt, 50 mlp, 20 cnn, 10 pg, 10 gpt2)")
+                        help="interleaved rounds per workload (default: " + ", ".join(
+                            f"{w.rounds} {name}" for name, w in WORKLOADS.items()) + ")")
+    parser.add_argument("--steps", type=int, help="steps per block (default: " + ", ".join(
+        f"{w.steps} {name}" for name, w in WORKLOADS.items()) + ")")
     parser.add_argument("--attribute", type=int, default=0, metavar="N",
                         help="also time gradwatch's parts over N steps per workload (default: 0, skip)")
     parser.add_argument("--rss-steps", type=int, default=0,
-                        help="first train the gpt workload watched for N steps, sampling the RSS (default: 0, skip)")
+                        help="first train a workload watched for N steps, sampling the RSS (default: 0, skip)")
+    parser.add_argument("--rss-workload", default="gpt", choices=list(WORKLOADS),
+                        help="the workload of the RSS run (default: gpt)")
     parser.add_argument("--memory", action="store_true",
                         help="also measure the peak memory of bare, gradwatch and gradwatch with a rollback rule, "
                         "each in a fresh process, per workload")
@@ -393,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
                               "variants": args.variants}
     with tempfile.TemporaryDirectory(prefix="gradwatch-overhead-") as tmp:
         root = Path(tmp)
-        rss = rss_run(args.rss_steps, root, console) if args.rss_steps else None
+        rss = rss_run(args.rss_steps, root, console, args.rss_workload) if args.rss_steps else None
         pinned = args.malloc == "pinned" and pin_malloc()  # after the RSS run: pinned memory is not returned
         report["malloc_pinned"] = pinned
         results: list[Result] = []
@@ -421,14 +433,14 @@ def main(argv: list[str] | None = None) -> None:
         console.print(memory_table(memory))
     stores = [(f"{r.workload} {r.variant}", r.store) for r in results if r.store is not None]
     if rss is not None:
-        stores.append((f"gpt gradwatch, {rss['steps']}-step RSS run", rss["store"]))
+        stores.append((f"{rss['workload']} gradwatch, {rss['steps']}-step RSS run", rss["store"]))
         console.print(rss_table(rss))
         console.print(rss_summary(rss))
     if stores:
         console.print(store_table(stores))
     healths = [(f"{r.workload} {r.variant}", r.health) for r in results if r.health is not None]
     if rss is not None:
-        healths.append(("gpt gradwatch (RSS run)", rss["health"]))
+        healths.append((f"{rss['workload']} gradwatch (RSS run)", rss["health"]))
     unhealthy = [label for label, h in healths if h["problems"] or h["status"] != "finished"]
     if unhealthy:
         console.print(f"[red]WARNING[/red] healthy-run check failed for: {', '.join(unhealthy)} (listed above)")

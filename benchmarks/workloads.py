@@ -99,6 +99,61 @@ def gpt2_batch(gen: torch.Generator) -> Batch:
     return gpt_batch(gen, vocab=GPT2_SMALL.vocab, seq=GPT2_SMALL.seq, batch=GPT2_SMALL.batch)
 
 
+@dataclass(frozen=True)
+class ResNetConfig:
+    """ResNet-50's shape (25.6M parameters): bottleneck blocks of 3, 4, 6 and 3, BatchNorm, 1,000 classes."""
+
+    blocks: tuple[int, ...] = (3, 4, 6, 3)
+    widths: tuple[int, ...] = (64, 128, 256, 512)
+    expansion: int = 4
+    classes: int = 1000
+    #: images per step on the CPU: a few, at ImageNet's size
+    batch: int = 2
+    image: int = 224
+
+
+RESNET50 = ResNetConfig()
+
+
+class Bottleneck(nn.Module):
+    """1x1, 3x3 (strided), 1x1 convolutions with BatchNorm and a projected shortcut where the shape changes."""
+
+    def __init__(self, cin: int, width: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        nn.init.zeros_(self.bn3.weight)  # each block starts as its shortcut ("zero-init residual")
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + (x if self.down is None else self.down(x)))
+
+
+def resnet50() -> nn.Module:
+    c = RESNET50
+    layers: list[nn.Module] = [nn.Conv2d(3, c.widths[0], 7, stride=2, padding=3, bias=False),
+                               nn.BatchNorm2d(c.widths[0]), nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1)]
+    cin = c.widths[0]
+    for stage, (n, width) in enumerate(zip(c.blocks, c.widths)):
+        for k in range(n):
+            layers.append(Bottleneck(cin, width, width * c.expansion, 2 if k == 0 and stage > 0 else 1))
+            cin = width * c.expansion
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, c.classes)]
+    return nn.Sequential(*layers)
+
+
+def resnet50_batch(gen: torch.Generator) -> Batch:
+    c = RESNET50
+    return (torch.randn(c.batch, 3, c.image, c.image, generator=gen),
+            torch.randint(0, c.classes, (c.batch,), generator=gen))
+
+
 def deep_mlp(depth: int = 48, width: int = 128) -> nn.Module:
     """Linear + ReLU layers with He initialisation, so activations neither vanish nor explode."""
     layers: list[nn.Module] = []
@@ -128,6 +183,36 @@ def small_cnn() -> nn.Module:
 
 def cnn_batch(gen: torch.Generator) -> Batch:
     return torch.randn(32, 3, 32, 32, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+
+
+class TinyBlock(nn.Module):
+    """A pre-norm residual block of three tiny leaves: LayerNorm, Linear, ReLU."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.act = nn.ReLU()
+        nn.init.normal_(self.fc.weight, std=0.02)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.act(self.fc(self.norm(x)))
+
+
+#: blocks of the many-module workload: 4,003 modules (3,002 leaves) and 4,004 parameters
+MANY_BLOCKS = 1000
+
+
+def many_modules(blocks: int = MANY_BLOCKS, width: int = 16) -> nn.Module:
+    """A deep stack of tiny residual blocks and a linear head: thousands of modules whose own work is
+    next to nothing, so that a cost per module (a hook, a Python object, a loop over the modules) shows.
+    """
+    return nn.Sequential(*(TinyBlock(width) for _ in range(blocks)), nn.LayerNorm(width), nn.Linear(width, width))
+
+
+def many_batch(gen: torch.Generator) -> Batch:
+    return torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
 
 
 #: single-sample forward calls per episode (one optimizer step each)
@@ -220,6 +305,13 @@ WORKLOADS = {
                     steps=20, rounds=9, target=1.01),
     "pg": Workload(Policy, lambda p: torch.optim.Adam(p, lr=1e-2), episode_batch, _unused_loss, steps=10, rounds=9,
                    target=1.02, train=rollout_step),
+    "many": Workload(many_modules, lambda p: torch.optim.SGD(p, lr=1e-2), many_batch, F.mse_loss, steps=10,
+                     rounds=5, target=1.05),
     "gpt2": Workload(gpt2_small, lambda p: torch.optim.AdamW(p, lr=3e-4), gpt2_batch, lm_loss, steps=10, rounds=2,
-                     target=1.01, warmup=2, warmup_watched=11, variants=("bare", "gradwatch", "foreach")),
+                     target=1.01, warmup=2, warmup_watched=11, variants=("bare", "gradwatch", "foreach", "minimal")),
+    "resnet50": Workload(resnet50, lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, weight_decay=1e-4),
+                         resnet50_batch, F.cross_entropy, steps=10, rounds=2, target=1.01, warmup=2, warmup_watched=11,
+                         variants=("bare", "gradwatch", "foreach", "minimal")),
 }
+#: the realistic sizes: a step takes seconds on a CPU, so they run only when named
+LARGE = ("gpt2", "resnet50")
