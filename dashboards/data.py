@@ -282,7 +282,7 @@ def summary(run: Run, run_id: str) -> dict[str, Any]:
 
 
 def curves(run: Run, cache: Curves, start: int | None = None, stop: int | None = None) -> dict[str, Any]:
-    """Global curves (gradient norm, loss, learning rate) over a step range, and the skipped steps."""
+    """Global curves (gradient norm, loss, learning rate) over a step range, the skipped steps and the restarts."""
     lo, hi = _range(start, stop)
     steps = slice(lo, hi)
     out: dict[str, Any] = {}
@@ -301,7 +301,8 @@ def curves(run: Run, cache: Curves, start: int | None = None, stop: int | None =
     skipped = run.skipped_steps(steps)
     if len(skipped) > MAX_SKIPPED:
         skipped = skipped[np.linspace(0, len(skipped) - 1, MAX_SKIPPED).astype(np.int64)]
-    return {"start": lo, "stop": hi, "curves": out, "skipped": skipped.tolist()}
+    restarts = [r["step"] for r in run.restarts if lo <= r["step"] and (hi is None or r["step"] < hi)]
+    return {"start": lo, "stop": hi, "curves": out, "skipped": skipped.tolist(), "restarts": restarts}
 
 
 def findings(run: Run) -> dict[str, Any]:

@@ -274,3 +274,42 @@ def test_bad_resume_options_are_refused(run_dir: Path, options: dict[str, object
     with pytest.raises(ConfigError, match=message):
         gw.watch(_model(), run=run_dir, **options)
     assert not run_dir.exists()
+
+
+def test_the_report_marks_the_restarts(run_dir: Path) -> None:
+    from gradwatch.report import data, figures
+
+    _train(run_dir, 10, losses=_steady(10))
+    _train(run_dir, 4, losses=_steady(4), resume=True, start_step=7)
+    with gw.open_run(run_dir) as run:
+        report = data.collect(run)
+    assert report.restarts == [7]
+    assert ("resumed", "at step 7 (3 earlier steps superseded)") in report.facts
+    fig = figures.timeline(report)
+    assert fig is not None
+    lines = [s for s in fig.layout.shapes if s.line.dash == "dash"]
+    assert {(s.x0, s.x1) for s in lines} == {(7, 7)} and len(lines) == 2  # on the loss's and the norm's chart
+    assert [a.text for a in fig.layout.annotations if a.x == 7] == ["resumed"]
+
+
+@pytest.mark.slow  # a real browser
+def test_the_dashboard_marks_the_restarts(run_dir: Path, browser) -> None:  # type: ignore[no-untyped-def]
+    from gradwatch.dashboards import data
+    from gradwatch.dashboards.server import start
+
+    _train(run_dir, 10, losses=_steady(10))
+    _train(run_dir, 4, losses=_steady(4), resume=True, start_step=7)
+    with gw.open_run(run_dir) as run:
+        assert data.curves(run, data.Curves())["restarts"] == [7]
+        assert data.curves(run, data.Curves(), start=8)["restarts"] == []
+        summary = data.summary(run, "run")
+    assert ["resumed", "at step 7 (3 earlier steps superseded)"] in summary["facts"] and summary["restarts"] == 1
+    with start(run_dir.parent, poll=0.25) as dash:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{dash.url}run?run=run")
+        page.wait_for_selector("#timeline .main-svg")
+        marks = page.evaluate("""() => { const l = document.getElementById('timeline').layout;
+            return [l.shapes.filter(s => s.line.dash === 'dash').map(s => s.x0),
+                    (l.annotations || []).filter(a => a.text === 'resumed').map(a => a.x)]; }""")
+        assert marks == [[7], [7]]
+        assert page.locator("text=resumed").count() >= 1

@@ -8,6 +8,7 @@
 (() => {
   const boot = JSON.parse(document.getElementById("boot").textContent || "{}");
   const COLOURS = { error: "#d92d20", warning: "#e39c0b", info: "#5b8def" };
+  const RESTART = "#475467";  // the line where a resumed run went on (RESTART of gradwatch/report/figures.py)
   const SYMBOLS = { warn: "circle", clip: "diamond", skip: "x", rollback: "triangle-left", halt: "square",
                     scale_lr: "star" };
   const PALETTE = ["#2f6fde", "#d92d20", "#0f9960", "#7c3aed", "#e39c0b", "#0891b2", "#db2777", "#65a30d"];
@@ -317,6 +318,14 @@
       lay.shapes = state.findings.filter((f) => f.severity === "error" || f.action === "halt" || f.action === "rollback")
         .slice(0, 30).map((f) => ({ type: "line", xref: "x", yref: "paper", x0: f.step, x1: f.step, y0: 0, y1: 1,
                                     line: { color: COLOURS.error, width: 1, dash: "dot" }, opacity: 0.5 }));
+      // a resumed run: where a later process went on (the report's timeline marks it alike)
+      for (const step of c.restarts || []) {
+        lay.shapes.push({ type: "line", xref: "x", yref: "paper", x0: step, x1: step, y0: 0, y1: 1,
+                          line: { color: RESTART, width: 1.2, dash: "dash" } });
+        (lay.annotations = lay.annotations || []).push({ x: step, y: 1, xref: "x", yref: "paper", text: "resumed",
+                                                         showarrow: false, yshift: 8, font: { color: RESTART, size: 11 },
+                                                         hovertext: `the run resumed at step ${step}` });
+      }
       draw("timeline", traces, lay);
     }
 

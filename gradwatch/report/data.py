@@ -98,6 +98,7 @@ class Report:
     layers: list[LayerRow]
     notes: list[str] = field(default_factory=list)
     layers_note: str = ""  # which layers have no gradient norm, and why
+    restarts: list[int] = field(default_factory=list)  # the steps a resumed run's later processes went on from
     generated: float = field(default_factory=time.time)
 
 
@@ -225,6 +226,7 @@ def collect(run: Run, name: str | None = None) -> Report:
         heats=heats,
         layers=layers,
         notes=notes,
+        restarts=[r["step"] for r in run.restarts],
         layers_note=text.without_gradients([(r.layer, r.type, r.params, math.isfinite(r.grad_max)) for r in layers]),
     )
 

@@ -18,6 +18,8 @@ from gradwatch.report.text import fmt
 
 #: severity colours (the page's CSS uses the same)
 COLOURS = {"error": "#d92d20", "warning": "#e39c0b", "info": "#5b8def"}
+#: the colour of the line marking where a resumed run went on (the dashboard's app.js uses the same)
+RESTART = "#475467"
 #: marker symbol of each action
 SYMBOLS = {"warn": "circle", "clip": "diamond", "skip": "x", "rollback": "triangle-left", "halt": "square",
            "scale_lr": "star"}
@@ -120,6 +122,10 @@ def timeline(report: Report) -> go.Figure | None:
         if text:
             fig.add_annotation(x=step, y=1, xref="x", yref="paper", text=text, showarrow=False, yshift=8,
                                font=dict(color=COLOURS["error"], size=11))
+    for step in report.restarts:  # a resumed run: where a later process went on (earlier steps from it superseded)
+        fig.add_vline(x=step, line=dict(color=RESTART, width=1.2, dash="dash"))
+        fig.add_annotation(x=step, y=1, xref="x", yref="paper", text="resumed", showarrow=False, yshift=8,
+                           font=dict(color=RESTART, size=11), hovertext=f"the run resumed at step {step}")
     fig.update_xaxes(title_text="step", row=len(rows), col=1)
     fig.update_layout(showlegend=False, hovermode="closest")
     _base(fig, 170 * len(curves) + (40 + 30 * len(lanes) if lanes else 0) + 90)

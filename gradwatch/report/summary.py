@@ -47,6 +47,11 @@ def facts(run: Run, meta: dict[str, Any], status: str, steps_info: pd.DataFrame,
     if isinstance(options, dict) and "log_every" in options:
         out.append(("logging", f"every {options.get('log_every')} step(s), detailed every "
                                f"{options.get('sample_every')}"))
+    restarts = run.restarts
+    if restarts:
+        out.append(("resumed", ", ".join(f"at step {fmt(r['step'])}" + (f" ({fmt(r['superseded'])} earlier steps "
+                                                                        "superseded)" if r["superseded"] else "")
+                                         for r in restarts)))
     skipped = int(steps_info["skipped"].sum()) if len(steps_info) else 0
     if skipped:
         out.append(("skipped steps", fmt(skipped)))
