@@ -19,6 +19,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.hooks import RemovableHandle
 
 from gradwatch import guard as entry
@@ -63,8 +64,7 @@ class Loop(Protocol):
 
 
 def _is_scheduler(obj: Any) -> bool:
-    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-
+    # called on every object of the process by the scan in objects(): no import statement in here
     return issubclass(type(obj), (LRScheduler, ReduceLROnPlateau))  # type(): no __class__ lookups
 
 
