@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ TEMPLATE = "report.html.j2"
 DEFAULT_NAME = "report.html"
 
 
+@functools.cache  # one per process: compiling the template takes longer than many a report's figures
 def _environment() -> Environment:
     env = Environment(loader=PackageLoader("gradwatch.dashboards", "templates"), autoescape=True,
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
@@ -32,6 +34,7 @@ def _environment() -> Environment:
     return env
 
 
+@functools.cache  # the 4 MB library, read once
 def _plotly_js() -> Markup:
     from plotly.offline import get_plotlyjs
 
