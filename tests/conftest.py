@@ -12,6 +12,13 @@ from torch import nn
 
 import gradwatch as gw
 
+# One thread per process: the tests' models are small, and on a machine of few cores torch's default
+# (a thread per core) is slower (the threads spin against each other and against the processes a test
+# starts) and differs from machine to machine. Subprocesses (the CLI, the examples, the distributed
+# ranks) inherit it through OMP_NUM_THREADS; a value set outside the suite wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(autouse=True)
 def _seeded() -> Iterator[None]:
