@@ -29,6 +29,8 @@ class Attachment:
         check_settings(rules=rules, log_every=log_every, **options)
         self._kwargs: dict[str, Any] = {"run": run, "rules": rules, "log_every": log_every, **options}
         self.watcher: Watcher | None = None
+        #: a resumed run whose first step the framework knows (its global step, once its checkpoint is restored)
+        self.resumes = bool(options.get("resume")) and options.get("start_step") is None
         #: the halt of this training, once a rule halted it
         self.halt: TrainingHalted | None = None
 
@@ -37,11 +39,14 @@ class Attachment:
         """Whether a watcher is attached and its run still open."""
         return self.watcher is not None and not self.watcher.closed
 
-    def attach(self, model: nn.Module, **integrate: Any) -> Watcher:
-        """Watch ``model`` (or take its existing watcher) and adapt it to the framework."""
+    def attach(self, model: nn.Module, global_step: int | None = None, **integrate: Any) -> Watcher:
+        """Watch ``model`` (or take its existing watcher) and adapt it to the framework; a resumed run
+        (``resume=True`` without ``start_step``) goes on from the framework's ``global_step``.
+        """
         self.close()  # a callback reused for a second training starts a new run
         self.halt = None
-        watch(model, **self._kwargs)
+        start: dict[str, Any] = {"start_step": global_step} if self.resumes and global_step is not None else {}
+        watch(model, **self._kwargs, **start)
         self.watcher = watcher(model)
         self.watcher.integrate(on_halt=self._halted, **integrate)
         return self.watcher

@@ -55,7 +55,9 @@ class GradWatchCallback(Callback):
         rules: ``"default"``, None (record only), a :class:`gradwatch.Rule`, a list, or a
             TOML path, as for :func:`gradwatch.watch`.
         log_every: write per-layer series every this many steps.
-        **options: further :func:`gradwatch.watch` options.
+        **options: further :func:`gradwatch.watch` options. With ``resume=True`` (and no
+            ``start_step``) the run goes on from ``trainer.global_step``, once
+            ``fit(ckpt_path=...)`` has restored it.
 
     Activation statistics and the replay that finds where a NaN was born hook the module's
     ``forward``: have ``training_step`` call ``self(x)`` (the usual style). A rollback's
@@ -82,7 +84,13 @@ class GradWatchCallback(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Watch the module; the callback signals the step moment itself."""
         self._trainer = trainer
-        self._attachment.attach(pl_module, signalled=True)
+        if not self._attachment.resumes:  # a resumed run waits for the checkpoint's step: on_train_start
+            self._attachment.attach(pl_module, signalled=True)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Watch a resumed run (``resume=True``) from the step its checkpoint restored (``trainer.global_step``)."""
+        if self._attachment.resumes and not self._attachment.active:
+            self._attachment.attach(pl_module, trainer.global_step, signalled=True)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Close the run as finished (unless a halt closed it already)."""

@@ -92,7 +92,9 @@ class GradWatchCallback(TrainerCallback):
         rules: ``"default"``, None (record only), a :class:`gradwatch.Rule`, a list, or a
             TOML path, as for :func:`gradwatch.watch`.
         log_every: write per-layer series every this many steps.
-        **options: further :func:`gradwatch.watch` options.
+        **options: further :func:`gradwatch.watch` options. With ``resume=True`` (and no
+            ``start_step``) the run goes on from ``state.global_step``, once
+            ``train(resume_from_checkpoint=...)`` has restored it.
 
     A rollback's ``skip_batches`` cannot drop batches from a callback: the next
     ``skip_batches`` optimizer steps run but apply nothing (recorded as skipped).
@@ -136,7 +138,8 @@ class GradWatchCallback(TrainerCallback):
         if model is None:
             raise ValueError("GradWatchCallback needs the model: the Trainer passes it to on_train_begin")
         self.close()
-        watcher = self._attachment.attach(model, before_step=self._before_step)
+        # resume=True: the run goes on from the checkpoint's step (the Trainer restored its state already)
+        watcher = self._attachment.attach(model, state.global_step, before_step=self._before_step)
         _track(watcher, lr_scheduler)
         self._clipping = bool(args.max_grad_norm) and args.max_grad_norm > 0
         self._params = [p for p in model.parameters() if p.requires_grad]
