@@ -94,15 +94,16 @@ _unmarked_slow: list[tuple[str, float]] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when == "call" and report.duration > SLOW_SECONDS and "slow" not in report.keywords:
-        _unmarked_slow.append((report.nodeid, report.duration))
+    # the setup counts too: a module's fixture that trains for seconds is paid by its first test
+    if report.when in ("setup", "call") and report.duration > SLOW_SECONDS and "slow" not in report.keywords:
+        _unmarked_slow.append((f"{report.nodeid} ({report.when})", report.duration))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
     if _unmarked_slow:
         terminalreporter.section(f"tests not marked slow that took more than {SLOW_SECONDS:g} s")
         for nodeid, seconds in sorted(_unmarked_slow, key=lambda x: -x[1]):
-            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}  (mark it @pytest.mark.slow)")
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}  (mark it @pytest.mark.slow, or its module)")
 
 
 CHROMIUM = "/usr/bin/chromium"
