@@ -313,3 +313,11 @@ def test_the_dashboard_marks_the_restarts(run_dir: Path, browser) -> None:  # ty
                     (l.annotations || []).filter(a => a.text === 'resumed').map(a => a.x)]; }""")
         assert marks == [[7], [7]]
         assert page.locator("text=resumed").count() >= 1
+
+
+def test_resume_where_a_store_creation_was_interrupted_starts_a_new_run(run_dir: Path) -> None:
+    run_dir.mkdir()
+    (run_dir / DB_NAME).write_bytes(b"")  # a kill during the creation of an older gradwatch's store
+    _train(run_dir, 3, losses=_steady(3), resume=True)
+    with gw.open_run(run_dir) as run:
+        assert run.steps == 3 and run.restarts == []

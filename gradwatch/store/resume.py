@@ -28,7 +28,7 @@ from gradwatch.store import lock as run_lock
 from gradwatch.store.records import LAYER, PARAM, Layout
 from gradwatch.store.reuse import _held, _writing
 from gradwatch.store.schema import DB_NAME, SCHEMA_VERSION
-from gradwatch.store.writer import _connect, rollback
+from gradwatch.store.writer import _connect, _holds_no_run, rollback
 
 #: the tables a restart creates (``IF NOT EXISTS``: a second restart finds them)
 RESUME_DDL = """
@@ -96,8 +96,11 @@ class Restart:
 
 
 def stored(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a run store (that a resume would continue)."""
-    return (run_dir / DB_NAME).is_file()
+    """Whether ``run_dir`` holds a run store that a resume would continue (not one whose creation was
+    interrupted: that holds no run, and a new run is created there).
+    """
+    db = run_dir / DB_NAME
+    return db.is_file() and not _holds_no_run(db)
 
 
 def next_step(run_dir: Path) -> int:
