@@ -96,7 +96,7 @@ def test_a_resumed_run_is_one_continuous_run_and_keeps_the_superseded_rows(run_d
 
 def test_finding_ids_go_on_from_the_stored_ones(run_dir: Path) -> None:
     first = _steady(10)
-    first[3] = math.nan
+    first[3] = first[4] = math.nan  # one finding, its repeat folded into it
     _train(run_dir, 10, losses=first)
     second = _steady(6)
     second[2] = math.inf  # step 10 + 2
@@ -106,7 +106,8 @@ def test_finding_ids_go_on_from_the_stored_ones(run_dir: Path) -> None:
         assert run.restarts[0]["step"] == 10 and run.restarts[0]["superseded"] == 0
         assert list(run.findings()["step"]) == [3, 12]  # the earlier finding was not replaced by the new one
         assert run.superseded("findings").empty
-        assert run.verdict is not None and run.verdict["findings"]["error"] == 2  # both processes' findings count
+        assert run.findings()["data"][0]["repeats"] == 2
+        assert run.verdict is not None and run.verdict["findings"]["error"] == 3  # both processes' occurrences
 
 
 def test_a_second_restart_supersedes_the_first_ones_steps_too(run_dir: Path) -> None:

@@ -81,7 +81,8 @@ class Restart:
             "removed": [...], "changed": [...]}`` (layers and parameters; changed: another type or
             size); None when it is the same (or nothing was kept to compare with).
         next_finding: the id this process's first finding takes (ids go on from the stored ones).
-        counts: the kept findings by severity, and ``worst`` their worst severity (None: none).
+        counts: the kept findings by severity (with their folded repeats, as the judge counts), and
+            ``worst`` their worst severity (None: none).
     """
 
     restart: int
@@ -194,9 +195,9 @@ def _supersede(db: Path, meta: Mapping[str, Any], start_step: int | None, status
                                        "SELECT id FROM findings UNION ALL SELECT id FROM superseded_findings)"
                                        ).fetchall()
             counts = {"info": 0, "warning": 0, "error": 0}
-            for severity, n in conn.execute("SELECT severity, COUNT(*) FROM findings GROUP BY severity"):
+            for severity, data in conn.execute("SELECT severity, data FROM findings"):
                 if severity in counts:
-                    counts[severity] = int(n)
+                    counts[severity] += _repeats(data)
             conn.execute("COMMIT")
         except BaseException:
             rollback(conn)
@@ -221,6 +222,15 @@ def _difference(conn: sqlite3.Connection, version: int, layout: Layout) -> dict[
     return {"added": [key[1] for key in now if key not in stored],
             "removed": [key[1] for key in stored if key not in now],
             "changed": [key[1] for key, entry in now.items() if key in stored and stored[key] != entry]}
+
+
+def _repeats(data: Any) -> int:
+    """How many occurrences a stored finding stands for (its folded ``repeats``; 1 when it has none)."""
+    try:
+        value = json.loads(data).get("repeats", 1) if isinstance(data, str) else 1
+    except (ValueError, AttributeError):
+        return 1
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def _list(text: str) -> list[Any]:
