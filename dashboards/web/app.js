@@ -499,7 +499,7 @@
       state.progress = p;
       $("steps").textContent = fmt(p.steps);
       $("status").textContent = p.status;
-      const key = `${p.status}/${p.findings}`;
+      const key = `${p.status}/${p.findings}/${p.restarts}`;  // a restart adds a fact: read the summary again
       if (key !== state.summaryKey) { state.summaryKey = key; refreshSummary(); }
       if (!before || before.row !== p.row || before.findings !== p.findings || before.steps !== p.steps) refreshAll();
     }
