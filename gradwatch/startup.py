@@ -148,8 +148,8 @@ def _changed(run_dir: Path, restart: resume.Restart) -> str:
     def names(items: list[str]) -> str:
         return ", ".join(repr(n) for n in items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
 
-    how = "; ".join(f"{verb} {names(restart.changed[key])}" for key, verb in
-                    (("added", "adds"), ("removed", "removes"), ("changed", "resizes")) if restart.changed[key])
+    verbs = (("added", "adds"), ("removed", "removes"), ("changed", "changes the type or size of"))
+    how = "; ".join(f"{verb} {names(restart.changed[key])}" for key, verb in verbs if restart.changed[key])
     return (f"gradwatch: the model resuming run {str(run_dir)!r} at step {restart.step} has another layout than "
             f"the run's ({how}); it goes on as a new layout version, recorded in the run's metadata "
             "(layout_changes)")
@@ -162,8 +162,14 @@ def prime(judge: Judge, out: Outputs, run_dir: Path) -> None:
         return
     from gradwatch.store.reader import Run
 
-    with Run(run_dir) as run:
-        records = run.records(steps=slice(max(0, restart.step - PRIME_STEPS), restart.step))
-        primed = judge.resume(records, restart.next_finding, restart.counts, restart.worst)
+    try:
+        with Run(run_dir) as run:
+            records = run.records(steps=slice(max(0, restart.step - PRIME_STEPS), restart.step))
+            primed = judge.resume(records, restart.next_finding, restart.counts, restart.worst)
+    except Exception as exc:  # a stored history that cannot be read: the detectors warm up afresh, training goes on
+        judge.resume([], restart.next_finding, restart.counts, restart.worst)
+        warnings.warn(f"gradwatch: the steps stored before step {restart.step} of run {str(run_dir)!r} could not be "
+                      f"replayed into the detectors ({exc}); they warm up afresh", GradwatchWarning, stacklevel=4)
+        return
     log.info("gradwatch: run %s resumed at step %d (restart %d; %d stored steps superseded, %d replayed into the "
              "detectors)", run_dir, restart.step, restart.restart, restart.superseded, primed)

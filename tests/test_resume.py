@@ -178,7 +178,8 @@ def test_start_step_without_resume_numbers_a_new_run_from_it(run_dir: Path) -> N
 
 def test_a_run_that_resumes_with_another_layout_says_so(run_dir: Path) -> None:
     _train(run_dir, 5, losses=_steady(5))
-    with pytest.warns(GradwatchWarning, match=r"another layout than the run's \(resizes '0', '2', '0.weight'"):
+    changed = r"another layout than the run's \(changes the type or size of '0', '2', '0.weight'"
+    with pytest.warns(GradwatchWarning, match=changed):
         _train(run_dir, 3, losses=_steady(3), model=_model(width=16), resume=True, start_step=5)
     with gw.open_run(run_dir) as run:
         [restart] = run.restarts
@@ -322,3 +323,21 @@ def test_resume_where_a_store_creation_was_interrupted_starts_a_new_run(run_dir:
     _train(run_dir, 3, losses=_steady(3), resume=True)
     with gw.open_run(run_dir) as run:
         assert run.steps == 3 and run.restarts == []
+
+
+def test_a_stored_history_that_cannot_be_replayed_leaves_the_detectors_warming_up(run_dir: Path) -> None:
+    first = _steady(8)
+    first[1] = math.nan
+    _train(run_dir, 8, losses=first)
+    conn = sqlite3.connect(run_dir / DB_NAME)
+    with conn:  # a damaged vector at step 2: the reader refuses it
+        conn.execute("UPDATE vectors SET codec = 0, data = x'00' WHERE step = 2")
+    conn.close()
+    second = _steady(3)
+    second[0] = math.inf
+    with pytest.warns(GradwatchWarning, match="could not be replayed into the detectors .*warm up afresh"):
+        _train(run_dir, 3, losses=second, resume=True, start_step=6)
+    with gw.open_run(run_dir) as run:
+        assert run.status == "finished" and run.restarts[0]["step"] == 6
+        assert list(run.findings()["step"]) == [1, 6]  # the new finding did not replace the stored one
+        assert run.verdict is not None and run.verdict["findings"]["error"] == 2
