@@ -67,9 +67,11 @@ class Capture:
     seq_first: bool = False  # the model takes sequence-first input (see :func:`sequence_first`)
 
     @classmethod
-    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], rng: list[torch.Tensor], autocast: Autocast) -> Capture:
+    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], rng: list[torch.Tensor], autocast: Autocast,
+           seq_first: bool = False) -> Capture:
         """A capture of a forward call starting now."""
-        return cls(args, dict(kwargs), rng, autocast, versions((args, kwargs)))
+        return cls(args, dict(kwargs) if kwargs else {}, rng, autocast, call_versions(args, kwargs),
+                   seq_first=seq_first)
 
     def keep_grad(self, grad: torch.Tensor | None) -> None:
         """The gradient arriving at the call's output: kept, or reduced to a finiteness flag; None
@@ -88,7 +90,7 @@ class Capture:
 
     def modified(self) -> bool:
         """Whether an input tensor was changed in place after the forward (a replay would differ)."""
-        return versions((self.args, self.kwargs)) != self.versions
+        return call_versions(self.args, self.kwargs) != self.versions
 
     @property
     def batch(self) -> int | None:
@@ -107,6 +109,18 @@ class Capture:
         if self.ids is None:
             return None
         return [plain(self.ids[i]) if 0 <= i < len(self.ids) else None for i in indices]
+
+
+def call_versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """The version counter of each tensor a forward call was given (see :func:`versions`); taken at
+    every captured call, so the usual one (tensors only, by position) takes one pass over them.
+    """
+    if not kwargs and type(args) is tuple and all(type(a) is torch.Tensor for a in args):
+        try:
+            return tuple(a._version for a in args)
+        except RuntimeError:  # an inference tensor keeps no version counter
+            pass
+    return versions((args, kwargs))
 
 
 def versions(obj: Any) -> tuple[int, ...]:

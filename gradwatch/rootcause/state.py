@@ -133,6 +133,8 @@ class Rng:
 
     def get(self) -> list[torch.Tensor]:
         """The current states (copies)."""
+        if not self.cuda:  # taken at every captured forward call: the CPU's alone without a generator
+            return [torch.get_rng_state()]
         return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in self.cuda)]
 
     def set(self, states: list[torch.Tensor]) -> None:

@@ -107,6 +107,9 @@ class Iteration:
         self.began = False
         #: a forward call was seen since the last step opened; it was when the open step opened
         self.forwarded = self.seen = False
+        #: the iteration under way has begun with a forward call that origin tracking captured: a
+        #: further forward call before its backward pass (a rollout's) only adds a capture
+        self.again = False
         self._activations = options.activations
         self.sentinel = 0
         #: the reference gradients' norms at the end of the last backward pass (:mod:`gradwatch.step.preclip`)
@@ -118,7 +121,7 @@ class Iteration:
         """A new layout: the sentinel moves to its first trainable parameter."""
         self.found = found
         self.buffers.watch()
-        self.probe.quiet = False
+        self.probe.quiet = self.again = False
         self.sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
         self.probe.watch_backward(found.params[self.sentinel])
         self._ref_idx, self.refs = preclip.reference_indices(found.params), None
@@ -141,6 +144,11 @@ class Iteration:
         steps = self._steps
         if steps.closed:
             return
+        if self.again:  # a further call of the iteration (a rollout's): nothing of the iteration changes; it
+            tracker = self._tracker  # is captured, or (origin tracking keeps no more) the root's hooks go quiet
+            if tracker is None or not tracker.capture(args, kwargs or {}):
+                self.again, self.probe.quiet = False, True
+            return
         self.began, self.forwarded = False, True
         if steps.has_open_step():
             steps.close_step()
@@ -159,13 +167,13 @@ class Iteration:
             self.probe.attach_activations(self.found.leaf_modules)
         # the iteration has begun: until its backward pass (or the next step) a further forward call
         # changes nothing unless origin tracking captures it (a rollout's many calls cost next to nothing)
-        self.probe.quiet = not captured
+        self.probe.quiet, self.again = not captured, captured
 
     def backward_started(self) -> None:
         """A backward pass begins (told by the first of the sentinel's gradient and the outputs'
         gradients): the previous iteration's gradients were kept, or dropped.
         """
-        self.probe.quiet = False
+        self.probe.quiet = self.again = False
         steps = self._steps
         if self.began or steps.closed:
             return
@@ -221,7 +229,7 @@ class Iteration:
 
     def stepped(self) -> None:
         """An optimizer step opens: the iterations since the last one are its micro-batches."""
-        self.probe.quiet = False  # the next forward call closes the step
+        self.probe.quiet = self.again = False  # the next forward call closes the step
         self.backward, self.served = None, False
         # the step's forward call was seen: the next one closes the step, a value observed before it is
         # the step's (gradwatch.step.openstep); not so where a compiled graph traces the root's hooks (guard.RootHook)
@@ -251,12 +259,12 @@ class Iteration:
 
     def aside(self, closure: Callable[[], Any]) -> Any:
         """Run a closure with gradwatch's hooks standing aside and the iteration's state kept."""
-        saved = self.backward, self.observed, self.probe.paused, self.probe.quiet
+        saved = self.backward, self.observed, self.probe.paused, self.probe.quiet, self.again
         self.observed, self.probe.paused = {}, True
         try:
             return closure()
         finally:
-            self.backward, self.observed, self.probe.paused, self.probe.quiet = saved
+            self.backward, self.observed, self.probe.paused, self.probe.quiet, self.again = saved
 
     def close(self) -> None:
         """The run closes: a last iteration whose gradients were dropped is recorded as a step."""

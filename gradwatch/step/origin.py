@@ -124,10 +124,10 @@ class Tracker:
             self._pending.clear()  # sample ids given ahead of this call were its own
             self.uncaptured += 1
             return False
-        cap = Capture.of(args, kwargs, self.rng.get(), Autocast.now(self._kinds))
-        cap.seq_first = self.seq_first
-        (cap.ids, cap.weak_ids), (cap.losses, _) = self._pending.pop("ids", (None, False)), \
-            self._pending.pop("losses", (None, False))
+        cap = Capture.of(args, kwargs, self.rng.get(), Autocast.now(self._kinds), self.seq_first)
+        if self._pending:  # sample ids or losses given ahead of the call
+            (cap.ids, cap.weak_ids), (cap.losses, _) = self._pending.pop("ids", (None, False)), \
+                self._pending.pop("losses", (None, False))
         self.captures.append(cap)
         self.latest = cap
         return True
