@@ -93,6 +93,8 @@ class Measure:
         bounded[list(found.layout.saturating)] = True
         self._bounded = bounded
         self._every = list(range(len(found.params)))
+        #: the parameters' same-shape groups (many small ones on the CPU: a few calls per statistic)
+        self._groups = stats.Grouping(found.params)
         #: FSDP2: the parameters (hence their gradients) are sharded ``DTensor``s
         self.sharded = sharded(found.params)
         #: the parameters without a gradient at the latest launch (by index)
@@ -121,11 +123,17 @@ class Measure:
         shards = self.sharded and sharded(grads)
         if shards:  # FSDP: each rank measures its shards; the watcher combines them across ranks
             grads = [local(g) for g in grads]
-        out = Launched(sampled, gidx, grads, parts=stats.stacked(stats.norms(grads)), sharded=shards)
+        every = gidx is self._every and not shards and self._groups.useful  # grouped by shape
+        gnorms = self._groups.norms(grads) if every else None
+        parts = [gnorms] if gnorms is not None else stats.stacked(stats.norms(grads))
+        out = Launched(sampled, gidx, grads, parts=parts, sharded=shards)
         if sampled:
             out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
             out.acts = acts
-            out.parts += stats.max_abs_stacked(grads) + stats.stacked(stats.norms(self._weights(out.tidx)))
+            gmax = self._groups.max_abs(grads) if every else None
+            out.parts += [gmax] if gmax is not None else stats.max_abs_stacked(grads)
+            wnorms = self._groups.norms(params) if every and len(out.tidx) == len(params) else None
+            out.parts += [wnorms] if wnorms is not None else stats.stacked(stats.norms(self._weights(out.tidx)))
             # activation norms, then non-zero counts, then saturated counts (a few 1-D tensors each)
             out.parts += [p for r in acts for p in r.norms] + [p for r in acts for p in r.nonzeros] + \
                 [p for r in acts for p in r.saturated]
@@ -255,7 +263,9 @@ class Measure:
         if idx:
             moved = [before.pop(i) for i in idx]
             torch._foreach_sub_(moved, self._weights(idx))  # our own copies: in place
-            parts = stats.stacked(stats.norms(moved))
+            grouped = self._groups.norms(moved) if self._groups.useful and not self.sharded and \
+                idx == self._every else None  # in the layout's order
+            parts = [grouped] if grouped is not None else stats.stacked(stats.norms(moved))
         if still:
             parts.append(torch.zeros(len(still), device=self._weights(still[:1])[0].device))
         return idx + still, parts
