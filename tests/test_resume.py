@@ -225,17 +225,33 @@ def test_detector_baselines_resume_from_the_stored_history(run_dir: Path, tmp_pa
     assert _spike_run(tmp_path / "fresh", start_step=30) == []
 
 
+def tensorboard_loss(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """``global/loss`` as TensorBoard's two readers read it: (step, value) pairs in the order they give them."""
+    from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
+    from tensorboard.util import tensor_util
+
+    legacy = event_accumulator.EventAccumulator(str(run_dir))
+    legacy.Reload()
+    server = plugin_event_accumulator.EventAccumulator(str(run_dir))  # what TensorBoard's server reads with
+    server.Reload()
+    return {"EventAccumulator": [(e.step, e.value) for e in legacy.Scalars("global/loss")],
+            "plugin_event_accumulator": [(e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+                                         for e in server.Tensors("global/loss")]}
+
+
 def test_tensorboard_reads_one_continuous_run(run_dir: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _train(run_dir, 12, losses=_steady(12))
-    _train(run_dir, 6, losses=_steady(6, 5.0), resume=True, start_step=9)
+    _train(run_dir, 6, losses=_steady(6, 5.0), resume=True, start_step=9)  # steps 9..14
+    _train(run_dir, 4, losses=_steady(4, 7.0), resume=True, start_step=12)  # steps 12..15
+    expected = _steady(9) + _steady(3, 5.0) + _steady(4, 7.0)
+    for reader, loss in tensorboard_loss(run_dir).items():
+        assert [step for step, _ in loss] == list(range(16)), reader  # the earlier processes' later steps purged
+        assert [value for _, value in loss] == pytest.approx(expected, rel=1e-6), reader
     events = EventAccumulator(str(run_dir))
     events.Reload()
-    loss = events.Scalars("global/loss")
-    assert [e.step for e in loss] == list(range(15))  # the earlier process's steps 9..11 purged
-    assert [e.value for e in loss] == pytest.approx(_steady(9) + _steady(6, 5.0), rel=1e-6)
-    assert [e.step for e in events.Scalars("grad_norm/0")] == list(range(15))
+    assert [e.step for e in events.Scalars("grad_norm/0")] == list(range(16))
 
 
 def test_check_reports_the_restarts(run_dir: Path) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import gradwatch as gw
+from tests.test_resume import tensorboard_loss
 
 pytestmark = pytest.mark.slow  # two training subprocesses, the report and TensorBoard's reader
 
@@ -129,11 +130,11 @@ def test_a_killed_run_resumed_from_its_checkpoint_reads_as_one_run(tmp_path: Pat
     assert "at step 20 (4 earlier steps superseded)" in page and '"text":"resumed"' in page
     assert "No warnings or errors in 40 steps" in page
 
-    # TensorBoard's own reader: the killed process's events from step 20 on purged, the restart's in their place
+    # TensorBoard's own readers: the killed process's events from step 20 on purged, the restart's in their place
+    for reader, tb_loss in tensorboard_loss(run).items():
+        assert [step for step, _ in tb_loss] == list(range(40)), reader
+        assert [value for _, value in tb_loss] == pytest.approx(expected.tolist(), rel=1e-6), reader
     events = EventAccumulator(str(run))
     events.Reload()
-    tb_loss = events.Scalars("global/loss")
-    assert [e.step for e in tb_loss] == list(range(40))
-    assert [e.value for e in tb_loss] == pytest.approx(expected.tolist(), rel=1e-6)
     assert [e.step for e in events.Scalars("grad_norm/0")] == list(range(40))
     assert len(list(run.glob("events.out.tfevents.*"))) == 2  # the killed process's file is kept, read in order

@@ -1,8 +1,9 @@
 """TensorBoard sink: step records as event files in the run directory, one event per step.
 
 A resumed run (``resume=True``) writes a new event file that starts with a ``SessionLog.START``
-at the step it continues from, as ``SummaryWriter(purge_step=...)`` does: TensorBoard's reader
-then drops the earlier files' events of that step and later (the superseded ones).
+at the step it continues from, as ``SummaryWriter(purge_step=...)`` does: TensorBoard's readers
+(``EventAccumulator`` and the server's ``plugin_event_accumulator``) then drop the earlier files'
+events of that step and later (the superseded ones).
 
 Tags are ``<metric>/<layer>`` so that TensorBoard groups per-layer series by metric, and
 ``global/<name>`` for the global gradient norm, loss, learning rate and observed scalars.
@@ -184,8 +185,11 @@ class TensorBoard:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._file = EventFile(run_dir, last=purge_step is not None)
         if purge_step is not None:  # a resumed run: TensorBoard drops the earlier files' events from this step on
+            # twice: the reader of TensorBoard's server (plugin_event_accumulator) takes a run's first START
+            # for the start of its first session, not a restart, and the earlier files have none
             start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
-            self._file.write(self._event(wall_time=time.time(), step=purge_step, session_log=start))
+            for _ in range(2):
+                self._file.write(self._event(wall_time=time.time(), step=purge_step, session_log=start))
         self._file.write(self._event(wall_time=time.time(), step=0, summary=custom_scalars()))
         self._file.flush()
         self._run = run_dir
