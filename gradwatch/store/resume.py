@@ -159,11 +159,11 @@ def _supersede(db: Path, meta: Mapping[str, Any], start_step: int | None, status
         if version > SCHEMA_VERSION:
             raise RunError(f"the run at {str(db.parent)!r} was written with store schema {version}, newer than "
                            f"{SCHEMA_VERSION}: upgrade gradwatch to resume it")
-        for statement in RESUME_DDL.split(";"):
-            if statement.strip():
-                conn.execute(statement)
         conn.execute("BEGIN IMMEDIATE")
         try:
+            for statement in RESUME_DDL.split(";"):  # in the transaction: a failed restart leaves no table behind
+                if statement.strip():
+                    conn.execute(statement)
             (last,), = conn.execute("SELECT MAX(step) FROM steps").fetchall()
             step = (last + 1 if last is not None else 0) if start_step is None else start_step
             (number,), = conn.execute("SELECT COALESCE(MAX(restart), 0) + 1 FROM restarts").fetchall()
