@@ -124,7 +124,10 @@ class LoopControl:
         key = tuple(id(o) for o in optimizers)
         if self._found is None or self._found[0] != key:
             ids = set(key)
-            objs = gc.get_objects()
+            # one pass over every object of the process, no call per object (a long session holds
+            # hundreds of thousands)
+            kinds = (LRScheduler, ReduceLROnPlateau, torch.amp.GradScaler)
+            objs = [o for o in gc.get_objects() if issubclass(type(o), kinds)]
             schedulers = [o for o in objs if _is_scheduler(o) and id(getattr(o, "optimizer", None)) in ids]
             scalers = [o for o in objs if _is_scaler(o) and o.is_enabled()][:1]
             self._found = (key, [weakref.ref(o) for o in schedulers], [weakref.ref(o) for o in scalers])
