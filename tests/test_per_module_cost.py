@@ -1,6 +1,6 @@
 """A step that takes no activation statistics costs the same Python work whatever the number of modules.
 
-Counted, never timed: on an unsampled step of a deep stack of tiny residual blocks (43, 203 and
+Counted, never timed: on an unsampled step of a deep stack of tiny residual blocks (163, 403 and
 1,003 modules), the calls torch makes into gradwatch (by hook kind, through the guard's counter),
 the calls of gradwatch's Python functions and of the C functions they call, in the training thread
 (``sys.setprofile``), and the Python objects the step leaves alive (the flight recorder is full: a
@@ -26,7 +26,7 @@ from gradwatch.step import aggregate
 
 PACKAGE = str(Path(gw.__file__).resolve().parent)
 #: blocks of each model: 4 modules each (the block, LayerNorm, Linear, ReLU), and the root, a norm and the head
-SIZES = (10, 50, 250)
+SIZES = (40, 100, 250)
 #: steps trained before the counted one: past two sampled steps (0 and 10) and the flight recorder's
 #: 32 records, so that the counted step (45) is neither sampled nor just after a sampled one
 WARMUP = 45

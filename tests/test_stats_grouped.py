@@ -10,7 +10,7 @@ from gradwatch.step import stats
 
 def _params() -> list[torch.Tensor]:
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(20)]
+    blocks = [nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(40)]
     return [p for b in blocks for p in b.parameters()] + list(nn.Linear(256, 64).parameters())
 
 
@@ -19,7 +19,7 @@ def test_small_tensors_group_by_shape_and_large_ones_do_not() -> None:
     grouping = stats.Grouping(params)
     assert grouping.useful
     shapes = sorted(tuple(params[idx[0]].shape) for idx in grouping.groups)
-    assert shapes == [(16,), (16, 16)]  # the 60 vectors and the 20 matrices; the 256 x 64 weight is too large
+    assert shapes == [(16,), (16, 16)]  # the 120 vectors and the 40 matrices; the 256 x 64 weight is too large
     assert [tuple(params[i].shape) for i in grouping.rest] == [(64, 256), (64,)]
 
 
@@ -48,4 +48,6 @@ def test_tensors_that_do_not_group_as_the_layout_did_are_left_to_the_fused_calls
 def test_nothing_groups_where_the_tensors_are_few_or_large() -> None:
     assert not stats.Grouping(list(nn.Linear(512, 512).parameters())).useful
     assert not stats.Grouping([torch.zeros(4) for _ in range(stats.GROUP - 1)]).useful
-    assert not stats.Grouping([torch.zeros(4, dtype=torch.float64) for _ in range(20)]).useful
+    assert not stats.Grouping([torch.zeros(4, dtype=torch.float64) for _ in range(200)]).useful
+    assert not stats.Grouping([torch.zeros(4) for _ in range(stats.GROUPED - 1)]).useful  # too few to be worth it
+    assert stats.Grouping([torch.zeros(4) for _ in range(stats.GROUPED)]).useful

@@ -57,6 +57,9 @@ def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
 SMALL = 1024
 #: fewer tensors of one shape than this are reduced with the rest
 GROUP = 8
+#: fewer grouped tensors in all than this: the fused calls (a stack and an index per statistic cost
+#: more than the few dispatches they would save)
+GROUPED = 128
 
 
 class Grouping:
@@ -78,7 +81,7 @@ class Grouping:
         grouped = {i for idx in self.groups for i in idx}
         self.rest = [i for i in range(len(like)) if i not in grouped]
         # (a model split across devices keeps the fused calls: the groups' norms and the others' would not join)
-        self.useful = bool(self.groups) and all(like[i].device.type == "cpu" for i in self.rest)
+        self.useful = len(grouped) >= GROUPED and all(like[i].device.type == "cpu" for i in self.rest)
         order = [i for idx in self.groups for i in idx] + self.rest
         self._inverse = torch.empty(len(order), dtype=torch.long)
         self._inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
