@@ -10,15 +10,19 @@ fed the same batches:
   parameter and every gradient) and the loop's own ``run.log({"loss": ...})`` every step, as W&B's docs
   show it: without a log call the watch's histograms are never committed;
 - ``wandb_watch_only``: the watch without the loop's logging (its hooks and histograms alone);
+- ``wandb_watch_10``: ``wandb_watch`` with ``log_freq=10``, gradwatch's default sampling period: the
+  watch's histograms as often as gradwatch's per-layer statistics (not its default: for reference);
 - ``gradwatch``: ``gw.watch(model)`` at its defaults (run store and TensorBoard files) and
   ``observe(loss=loss)``, without W&B: what the sink adds is the next one minus this;
 - ``gradwatch_wandb``: the same with ``sinks=["wandb"]``: a W&B row every step (loss, global gradient norm,
   learning rate), the per-layer statistics every 10th step (the sampled steps), findings and verdict.
 
 Measurement is interleaved: after warm-up, each round runs a block of K steps of every variant in turn
-(the order rotates every round); every block is timed by the wall clock, by the CPU of this process (all
-its threads: gradwatch's writer, wandb's own) and by the CPU of wandb's service process (``wandb-core``,
-which writes the offline run). Each gradwatch block ends with ``watcher.flush()`` inside the timed region.
+(the order rotates every round); every block is timed by the wall clock, by the CPU of the training
+thread (where ``wandb.watch``'s hooks run; gradwatch's sink runs in its writer thread), by the CPU of
+this process (all its threads: gradwatch's writer, wandb's own) and by the CPU of wandb's service
+process (``wandb-core``, which writes the offline run). On a machine shared with other work the wall
+clock is the noisiest of them. Each gradwatch block ends with ``watcher.flush()`` inside the timed region.
 The per-step figures are totals over all rounds divided by the steps, not medians: ``wandb.watch``
 spends most of its time in one step of every 1000, which a median of blocks would leave out. The
 default ``rounds x steps`` is 1000 steps per variant (after 30 of warm-up), so each watched model takes
@@ -35,6 +39,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +55,7 @@ from workloads import WORKLOADS  # noqa: E402
 
 import gradwatch as gw  # noqa: E402
 
-VARIANTS = ("bare", "wandb_watch", "wandb_watch_only", "gradwatch", "gradwatch_wandb")
+VARIANTS = ("bare", "wandb_watch", "wandb_watch_only", "wandb_watch_10", "gradwatch", "gradwatch_wandb")
 WARMUP = 30
 
 
@@ -61,6 +66,7 @@ class Totals:
     variant: str
     steps: int = 0
     wall: float = 0.0
+    thread: float = 0.0
     cpu: float = 0.0
     service: float = 0.0
     blocks: list[float] = field(default_factory=list)
@@ -85,9 +91,9 @@ def setup(variant: str, loop: Loop, run: Any, root: Path) -> None:
     """Attach one variant's way of watching to its loop."""
     import wandb
 
-    if variant in ("wandb_watch", "wandb_watch_only"):
-        wandb.watch(loop.model, log="all")  # its defaults: log_freq=1000
-        if variant == "wandb_watch":
+    if variant.startswith("wandb_watch"):
+        wandb.watch(loop.model, log="all", **({"log_freq": 10} if variant == "wandb_watch_10" else {}))
+        if variant != "wandb_watch_only":  # at its defaults (log_freq=1000) or every 10 steps
             loop.on_loss = lambda loss: run.log({"loss": loss.item()})
         loop.close = lambda: wandb.unwatch(loop.model)
     elif variant == "gradwatch":
@@ -111,13 +117,13 @@ def measure(name: str, rounds: int, steps: int, variants: list[str], root: Path,
         for r in range(rounds):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for v in order:
-                service, cpu = service_cpu(), 0.0
+                service, thread = service_cpu(), time.thread_time()
                 wall = loops[v].run(steps)
-                cpu = loops[v].cpu
                 t = totals[v]
                 t.steps += steps
                 t.wall += wall
-                t.cpu += cpu
+                t.thread += time.thread_time() - thread
+                t.cpu += loops[v].cpu
                 t.service += service_cpu() - service
                 t.blocks.append(wall)
             console.log(f"{name} round {r + 1}/{rounds}: " + ", ".join(
@@ -143,30 +149,33 @@ def report(name: str, found: list[Totals]) -> dict[str, Any]:
     by = {t.variant: t for t in found}
     rows = {}
     for t in found:
-        rows[t.variant] = {"ms_per_step": t.per_step("wall"), "cpu_ms_per_step": t.per_step("cpu"),
+        rows[t.variant] = {"ms_per_step": t.per_step("wall"), "thread_cpu_ms_per_step": t.per_step("thread"),
+                           "cpu_ms_per_step": t.per_step("cpu"),
                            "service_cpu_ms_per_step": t.per_step("service"), "steps": t.steps,
                            "block_seconds": t.blocks}
         if t.variant != "bare":
             rows[t.variant].update(overhead_ms=overhead(by, t.variant, "wall"),
+                                   thread_overhead_ms=overhead(by, t.variant, "thread"),
                                    cpu_overhead_ms=overhead(by, t.variant, "cpu"),
                                    service_overhead_ms=overhead(by, t.variant, "service"))
     out: dict[str, Any] = {"workload": name, "variants": rows}
-    for watch in ("wandb_watch", "wandb_watch_only"):
+    for watch in ("wandb_watch", "wandb_watch_only", "wandb_watch_10"):
         if watch in by and "gradwatch_wandb" in by:
-            for what in ("wall", "cpu"):
+            for what in ("wall", "thread", "cpu"):
                 out[f"ratio_{what}_vs_{watch}"] = overhead(by, "gradwatch_wandb", what) / overhead(by, watch, what)
     return out
 
 
 def table(reports: list[dict[str, Any]]) -> Table:
-    out = Table(title="Per-step cost over bare training (ms; totals over every timed step)")
-    for column in ("workload", "variant", "ms/step", "overhead (wall)", "overhead (CPU, this process)",
+    out = Table(title="Per-step cost over bare training (ms per step; totals over every timed step)")
+    for column in ("workload", "variant", "ms/step", "overhead (wall)", "training thread CPU", "process CPU",
                    "W&B service CPU"):
         out.add_column(column, justify="left" if column in ("workload", "variant") else "right")
     for rep in reports:
         for variant, row in rep["variants"].items():
             out.add_row(rep["workload"], variant, f"{row['ms_per_step']:.2f}",
                         f"{row['overhead_ms']:+.3f}" if "overhead_ms" in row else "",
+                        f"{row['thread_overhead_ms']:+.3f}" if "thread_overhead_ms" in row else "",
                         f"{row['cpu_overhead_ms']:+.3f}" if "cpu_overhead_ms" in row else "",
                         f"{row['service_cpu_ms_per_step']:.3f}")
     return out
@@ -201,10 +210,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             reports.append(report(name, measure(name, args.rounds, args.steps, variants, Path(tmp), console)))
     console.print(table(reports))
     for rep in reports:
-        for key in ("ratio_wall_vs_wandb_watch", "ratio_cpu_vs_wandb_watch"):
-            if key in rep:
-                console.print(f"{rep['workload']}: gradwatch_wandb's overhead / wandb_watch's ({key.split('_')[1]}): "
-                              f"{rep[key]:.2f}", highlight=False)
+        for key in sorted(k for k in rep if k.startswith("ratio_")):
+            what, watch = key.removeprefix("ratio_").split("_vs_")
+            console.print(f"{rep['workload']}: gradwatch_wandb's overhead / {watch}'s ({what}): {rep[key]:.2f}",
+                          highlight=False)
     out = {"torch": torch.__version__, "wandb": wandb.__version__, "gradwatch": gw.__version__,
            "threads": args.threads, "rounds": args.rounds, "steps": args.steps, "reports": reports}
     if args.json is not None:
