@@ -1,14 +1,13 @@
 """torch.distributed: two real processes on the gloo backend, each watching its DDP replica.
 
-The two ranks are started once for the module (starting a process that imports torch costs
-seconds): they play every scenario in turn, each in a process group of its own (initialised and
+The two ranks are started once (``tests/ranks.py``: starting a process that imports torch costs
+seconds) and play every scenario in turn, each in a process group of its own (initialised and
 destroyed as a training script does) with its own run, and each test reads its scenario's results.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import traceback
 import warnings
 from collections.abc import Callable
@@ -19,11 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradwatch as gw
+
+from .ranks import spawn_ranks
 
 pytestmark = pytest.mark.slow  # two real processes on the gloo backend
 
@@ -33,12 +33,6 @@ SCENARIOS = ("healthy", "nan", "divergence", "halt", "fsdp", "fsdp_last_sampled"
              "fail_between_steps", "rollback_unwritable", "rollback_lost", "rollback_diverged")
 #: a collective that waits longer than this raises on its rank (a deadlock fails its scenario, not the others)
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker(rank: int, port: int, out: str, scenarios: tuple[str, ...]) -> None:
@@ -185,29 +179,6 @@ def plant_failure(scenario: str) -> Callable[[], None]:
             Recording.step_post = post  # type: ignore[method-assign]
 
         return restore_post
-
-
-def spawn_ranks(target: Any, args: tuple[Any, ...], out: Path, timeout: float = 120,
-                world: int = WORLD) -> list[dict[str, Any]]:
-    """Run ``target(rank, port, *args)`` in ``world`` spawned processes; each writes ``out/rank{r}.json``.
-
-    Fails if a rank hangs (a deadlock in a collective) or reports an ``error``; the ranks' results.
-    """
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=timeout)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung (deadlock in a collective?)"
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    for r in results:
-        assert "error" not in r, r["error"]
-    return results
 
 
 @pytest.fixture(scope="module")

@@ -250,7 +250,7 @@ def ddp_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow  # two real processes on gloo, a dozen short runs
 def test_a_failure_on_one_rank_in_any_entry_point_leaves_ddp_training_unchanged(tmp_path: Path) -> None:
-    from tests.test_distributed import spawn_ranks
+    from tests.ranks import spawn_ranks
 
     results = spawn_ranks(ddp_worker, (str(tmp_path),), tmp_path, timeout=240, world=2)
     for r in results:

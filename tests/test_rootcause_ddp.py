@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradwatch as gw
+
+from .ranks import spawn_ranks
 
 pytestmark = pytest.mark.slow  # two real processes on the gloo backend
 
@@ -67,22 +67,8 @@ def worker(rank: int, port: int, run: str, out: str) -> None:
 
 
 def test_a_fault_that_does_not_reproduce_names_its_rank(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     run = tmp_path / "run"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, port, str(run), str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for r in range(WORLD):
-        result = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert "error" not in result, result["error"]
+    spawn_ranks(worker, (str(run), str(tmp_path)), tmp_path, world=WORLD)  # fails if a rank hung or erred
     with gw.open_run(run) as stored:
         found = stored.findings()
     row = found[found.kind == "nonfinite"].iloc[0]
