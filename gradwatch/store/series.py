@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +11,7 @@ import pandas as pd
 
 from gradwatch.store import decode
 from gradwatch.store import names as _names
+from gradwatch.store.layouts import Layouts
 from gradwatch.store.records import LAYER, PARAM
 
 
@@ -58,22 +57,10 @@ def _bits(mask: bytes, cols: list[int]) -> np.ndarray:
     return flags[cols].astype(bool)
 
 
-class Series:
+class Series(Layouts):
     """The series half of :class:`gradwatch.store.reader.Run` (``scalars``, ``series``, ``metrics``,
-    ``matrix`` ...); the run's connection, metadata and layouts come from the run itself.
+    ``matrix`` ...), read along the run's layouts; the run's connection and metadata come from the run itself.
     """
-
-    _db: Path
-    _conn: sqlite3.Connection
-
-    def _query(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
-        raise NotImplementedError  # Run's
-
-    def _entries(self, layout: int, scope: str) -> list[str]:
-        raise NotImplementedError  # Run's
-
-    def _latest_layout(self) -> int:
-        raise NotImplementedError  # Run's
 
     def _scalar_rows(self, names: list[str] | None, steps: slice | None) -> pd.DataFrame:
         """Global scalars in long form (step, metric, value); a stored NaN stays a row."""
