@@ -82,8 +82,10 @@ def optimizer(opt: torch.optim.Optimizer, hook: Hook, *, pre: bool) -> Removable
     return opt.register_step_pre_hook(_checked(hook)) if pre else opt.register_step_post_hook(_checked(hook))
 
 
-def thread(hook: Hook, name: str) -> threading.Thread:
-    """A daemon thread that runs ``hook`` (its failure is told to the training loop), started."""
+def thread(hook: Hook, name: str, *, ended: Callable[[], None] | None = None) -> threading.Thread:
+    """A daemon thread that runs ``hook`` (its failure is told to the training loop), started; ``ended()``
+    runs in it last, however the hook ended (also when it never ran: a detached guard, an injected fault).
+    """
     _checked(hook)
 
     def run() -> None:
@@ -92,6 +94,8 @@ def thread(hook: Hook, name: str) -> threading.Thread:
             hook()
         finally:
             guard.OWN_THREADS.discard(threading.get_ident())
+            if ended is not None:
+                ended()
 
     started = threading.Thread(target=run, name=name, daemon=True)
     started.start()

@@ -209,20 +209,27 @@ class Recording:
         step.update_parts += parts
 
     def close_step(self) -> None:
-        """Close the open step: record it now, or with its update norms at the next host read."""
-        step, self.open = self.open, None
+        """Close the open step: record it now, or with its update norms at the next host read.
+
+        The step stays open until it is handed on (to the writer, or as the pending step): an exception
+        raised in between (a signal handler's ``sys.exit``) leaves it for :meth:`finish` to record, never
+        lost (a record handed to the writer twice is written once).
+        """
+        step = self.open
         assert step is not None
         self.one_closed = True
-        if self.manual and step.before and not step.skip:  # updated by hand since the step's moment
+        before, step.before = step.before, {}
+        if self.manual and before and not step.skip:  # updated by hand since the step's moment
             trainable = [i for i, p in enumerate(self.found.params) if p.requires_grad]
-            idx, parts = self.measure.update_norms(step.before, trainable)
-            step.update_idx += idx
-            step.update_parts += parts
-        step.before.clear()
+            idx, parts = self.measure.update_norms(before, trainable)
+            step.update_idx, step.update_parts = step.update_idx + idx, step.update_parts + parts
         if step.update_parts or step.late:
+            if self.pending is not None and self.pending is not step:  # never dropped (an interrupted read)
+                self._record_pending_now()
             self.pending = step  # its update norms or late values come with the next host read
         else:
             self.submit(step.record)
+        self.open = None
 
     @guarded("flush")
     def settle(self) -> None:
@@ -262,7 +269,7 @@ class Recording:
         """Complete the previous step with its update norms (none in ``host``: see
         :meth:`_pending_parts`) and late values (last in ``host``), judge them, and record it.
         """
-        pending, self.pending = self.pending, None
+        pending = self.pending  # pending until handed to the writer (see :meth:`close_step`)
         assert pending is not None
         nlate = len(pending.late_parts())
         host, late_host = host[:len(host) - nlate], host[len(host) - nlate:]
@@ -273,6 +280,7 @@ class Recording:
         if late:
             pending.record.logged = pending.record.detail = True
         self.submit(pending.record)
+        self.pending = None
         if late:
             self.judge.defer(late)
 

@@ -1,10 +1,19 @@
-"""Writer: one background thread that takes step records off a bounded queue and feeds the sinks."""
+"""Writer: one background thread that takes step records off a bounded queue and feeds the sinks.
+
+The training thread's side of the hand-over is safe against an exception raised at any bytecode (a
+signal handler's ``sys.exit``, a Ctrl-C): it only appends to a deque and releases or acquires plain
+locks, each one call that happens whole or not at all, and it tells whether the writer thread runs
+by a flag that thread clears as it ends. ``queue.Queue`` and ``threading.Event`` take a Python-level
+condition's lock in ``__enter__``, and ``Thread.is_alive``/``join`` interrupted at the wrong bytecode
+mark a running thread stopped (CPython issue 90882, up to Python 3.12): an exception there left the
+queue's lock held (the run's close then hung) or the writer taken for dead (the run was never
+closed: its store said ``running``, read as ``crashed``, with no step written).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import warnings
 from collections import deque
@@ -37,6 +46,24 @@ class _Meta(dict):  # type: ignore[type-arg]
 _BATCH = 512
 
 
+class _Flush:
+    """A flush marker: the writer thread releases ``done`` once everything queued before it is written."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Lock()
+        self.done.acquire()
+
+
+def _signal(lock: threading.Lock) -> None:
+    """Wake the one thread waiting to acquire ``lock`` (a binary semaphore: released, or already so)."""
+    try:
+        lock.release()
+    except RuntimeError:  # released already, not yet taken: the waiter wakes once either way
+        pass
+
+
 class Writer:
     """Feeds records to sinks off the training thread, in batches.
 
@@ -49,23 +76,35 @@ class Writer:
     def __init__(self, sinks: Sequence[Sink], *, queue_size: int, flush_seconds: float, name: str,
                  guard: entry.Guard | None = None) -> None:
         self._sinks = list(sinks)
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        #: what waits for the writer thread, oldest first: appended by the training thread, taken by the writer
+        self._items: deque[object] = deque()
+        self._size = max(1, queue_size)
         self._high_water = max(1, queue_size // 2)
-        self._wake = threading.Event()
+        #: binary semaphores (see :func:`_signal`): wake the writer thread; room made in the queue
+        self._wake, self._room = threading.Lock(), threading.Lock()
+        self._wake.acquire()
+        self._room.acquire()
         self._flush_seconds = flush_seconds
         self._failed: set[int] = set()
         #: warnings the sinks asked for in the writer thread, given in the training thread (its filters apply)
         self._notices: deque[tuple[type[Warning], str]] = deque()
         #: why the writer thread stopped before it was closed (None while it runs, or after close)
         self.died: BaseException | None = None
+        #: the latest record the writer thread took (the same record handed over twice is written once)
+        self._taken: StepRecord | None = None
+        #: the writer thread runs: cleared by that thread as it ends, and only there
+        self._running = True
+        #: released by the writer thread as it ends (what :meth:`close` waits on)
+        self._ended = threading.Lock()
+        self._ended.acquire()
         # its failure is told in the watching thread (by its guard), and by :class:`WriterDied` to a caller
         guard = guard if guard is not None else entry.Guard(lambda exc, kind, args: None)
-        self._thread = register.thread(guard.hook("writer", self._run), f"gradwatch-writer-{name}")
+        self._thread = register.thread(guard.hook("writer", self._run), f"gradwatch-writer-{name}", ended=self._stopped)
 
     @property
     def alive(self) -> bool:
         """Whether the writer thread still runs."""
-        return self._thread.is_alive()
+        return self._running
 
     def submit(self, record: StepRecord) -> None:
         """Queue one record for writing.
@@ -74,8 +113,8 @@ class Writer:
             WriterDied: the writer thread has stopped (the record cannot be written).
         """
         self._put(record)
-        if self._queue.qsize() >= self._high_water:
-            self._wake.set()
+        if len(self._items) >= self._high_water:
+            _signal(self._wake)
 
     def unstored(self) -> str | None:
         """Why the findings written so far are not all in the run's store (``"disk full"``, or its store
@@ -90,7 +129,7 @@ class Writer:
     def submit_findings(self, findings: Sequence[Finding]) -> None:
         """Queue findings (new, or written before and updated) for every sink that takes them."""
         self._put(_Findings([dataclasses.replace(f, data=dict(f.data)) for f in findings]))
-        self._wake.set()
+        _signal(self._wake)
 
     def submit_meta(self, **values: object) -> None:
         """Queue run metadata (e.g. the optimizers found) for every sink that keeps it."""
@@ -102,15 +141,15 @@ class Writer:
         Returns at once when the writer was closed. Raises :class:`WriterDied` when the writer
         thread stopped on its own: the training thread never waits on a dead writer.
         """
-        if self.died is None and not self._thread.is_alive():
+        if self.died is None and not self._running:
             return  # closed: everything was written
-        done = threading.Event()
-        self._put(done)
-        self._wake.set()
+        marker = _Flush()
+        self._put(marker)
+        _signal(self._wake)
         waited = 0.0
-        while not done.wait(_POLL):
+        while not marker.done.acquire(timeout=_POLL):
             waited += _POLL
-            if not self._thread.is_alive():
+            if not self._running:
                 self._check()
                 return
             if timeout is not None and waited >= timeout:
@@ -128,32 +167,24 @@ class Writer:
         if self._notices:
             self._tell()
         self._check()
-        try:  # the usual case: room in the queue, no timed wait
-            self._queue.put_nowait(item)
-            return
-        except queue.Full:
-            pass
-        while True:
-            try:
-                self._queue.put(item, timeout=_POLL)
-                return
-            except queue.Full:
-                self._check()
+        while len(self._items) >= self._size:  # full: wake the writer, and wait for the room it makes
+            _signal(self._wake)
+            self._room.acquire(timeout=_POLL)
+            self._check()
+        self._items.append(item)  # the hand-over: one call, done whole or not at all
 
     def _check(self) -> None:
-        if self.died is not None or not self._thread.is_alive():
+        if self.died is not None or not self._running:
             raise WriterDied(f"the writer thread stopped: {self.died!r}" if self.died is not None
                              else "the writer thread stopped")
 
     def close(self, status: str) -> None:
         """Write what is queued, close the sinks with the run's final status, stop the thread."""
-        while self._thread.is_alive():  # a writer that died is not waited for
-            try:
-                self._queue.put((_STOP, status), timeout=_POLL)
-            except queue.Full:
-                continue
-            self._wake.set()
-            self._thread.join()
+        if self._running:  # a writer that died is not waited for
+            self._items.append((_STOP, status))
+            _signal(self._wake)
+            while self._running:
+                self._ended.acquire(timeout=_POLL)
         self._tell()
 
     def _run(self) -> None:
@@ -163,17 +194,26 @@ class Writer:
             self.died = exc
             raise WriterDied(f"the writer thread stopped: {exc!r}; nothing more is written") from exc
 
+    def _stopped(self) -> None:
+        """The writer thread ends (in it, last): the training thread stops handing it anything."""
+        self._running = False
+        self._ended.release()
+
     def _drain(self) -> None:
         while True:
-            self._wake.wait(self._flush_seconds)
-            self._wake.clear()
+            self._wake.acquire(timeout=self._flush_seconds)
             batch: list[StepRecord] = []
             while True:
                 try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
+                    item = self._items.popleft()
+                except IndexError:
                     break
+                if len(self._items) + 1 >= self._size:  # it was full: a producer may wait for room
+                    _signal(self._room)
                 if isinstance(item, StepRecord):
+                    if item is self._taken:  # handed over again (a step's close interrupted after it): once
+                        continue
+                    self._taken = item
                     batch.append(item)
                     if len(batch) >= _BATCH:
                         self._dispatch("write", batch)
@@ -186,8 +226,8 @@ class Writer:
                     self._dispatch("write_findings", item)
                 elif isinstance(item, _Meta):
                     self._dispatch("write_meta", item)
-                elif isinstance(item, threading.Event):
-                    item.set()
+                elif isinstance(item, _Flush):
+                    item.done.release()
                 elif isinstance(item, tuple) and item and item[0] is _STOP:
                     self._dispatch("close", item[1])
                     return
