@@ -70,6 +70,8 @@ class InjectedFault(RuntimeError):
 _ALERT = False
 #: kind -> [calls to let pass, calls seen] while :func:`inject` runs
 _FAULTS: dict[str, list[int]] = {}
+#: what the planted call does instead of raising :class:`InjectedFault` (:func:`inject`'s ``fault``), or None
+_PLANTED: list[Callable[[], Any]] = []
 #: the guards that detached or hold a failure to tell
 _ALERTED: set[Guard] = set()
 #: the calls of each kind since :func:`inject` began (what a loop reaches)
@@ -86,20 +88,25 @@ def _realert() -> None:
 
 
 @contextmanager
-def inject(kind: str | None, *, after: int = 0) -> Iterator[dict[str, int]]:
+def inject(kind: str | None, *, after: int = 0, fault: Callable[[], Any] | None = None) -> Iterator[dict[str, int]]:
     """Tests only: the hook of ``kind`` raises :class:`InjectedFault` at its ``after + 1``-th call
     (None: nothing raises, the calls are only counted). Yields the calls of each kind meanwhile.
+
+    With ``fault``, that call runs ``fault()`` instead, as the hook begins (e.g. a signal handler of the
+    user's that calls ``sys.exit``: whatever it raises comes out of the hook).
     """
     if kind is not None and kind not in KINDS:
         raise ValueError(f"unknown hook kind {kind!r}; known: {sorted(KINDS)}")
     ENTERED.clear()
     _FAULTS.clear()
     _FAULTS["*" if kind is None else kind] = [after, 0]
+    _PLANTED[:] = [fault] if fault is not None else []
     _realert()
     try:
         yield ENTERED
     finally:
         _FAULTS.clear()
+        _PLANTED.clear()
         _realert()
 
 
@@ -170,6 +177,9 @@ def _slow(hook: Hook) -> bool:
         if fault is not None:
             fault[1] += 1
             if fault[1] == fault[0] + 1:
+                if _PLANTED:
+                    _PLANTED[0]()
+                    return True
                 raise InjectedFault(f"fault injected into the {hook.kind} hook")
     return True
 
