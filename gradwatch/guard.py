@@ -49,6 +49,7 @@ KINDS = {
     "closure": "a step's closure, evaluated by the optimizer (optimizer.step(closure))",
     "withhold": "an optimizer's one-shot step hooks after a halt under a framework",
     "writer": "the writer thread",
+    "sink_thread": "a sink's own thread that talks to a remote service (the MLflow sink's sender)",
     "gradients_ready": "a framework's signal that the gradients are final (Watcher.gradients_ready)",
     "flush": "a flush of the latest step (Watcher.flush, a reader of this run in the same process)",
     "first_forward": "the first forward call of an instance of a watched class (it is watched then)",

@@ -23,16 +23,16 @@ import hashlib
 import json
 import logging
 import math
-import queue
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gradwatch.errors import ConfigError, GradwatchWarning
+from gradwatch.sinks.sending import Sender
 from gradwatch.store.findings import SEVERITIES, Finding, rank
 from gradwatch.store.records import LAYER, StepRecord, present
 from gradwatch.store.verdict import UNFINISHED
@@ -82,32 +82,6 @@ def safe_names(names: Sequence[str], room: int, taken: set[str] | None = None) -
 def _check(name: str, value: Any, ok: bool, wanted: str) -> None:
     if not ok:
         raise ConfigError(f"option sinks: the mlflow sink's setting {name} must be {wanted}, got {value!r}")
-
-
-class _Sender:
-    """The one thread that talks to the tracking server: runs the jobs handed to it, in order, until one fails."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-
-    def stop(self, timeout: float) -> bool:
-        """Let it finish its jobs, waiting at most ``timeout`` seconds; whether it did."""
-        self._jobs.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            while (job := self._jobs.get()) is not None:
-                job()
-        except BaseException as exc:  # told by the sink's next call; the jobs left are not run
-            self.error = exc
 
 
 class MLflow:
@@ -170,7 +144,7 @@ class MLflow:
         self._pending = self._dropped = 0
         self._notices: list[tuple[type[Warning], str]] = []
         self._client: Any = None
-        self._sender = _Sender(f"gradwatch-mlflow-{run_dir.name}")
+        self._sender = Sender(f"gradwatch-mlflow-{run_dir.name}")
         self._sender.put(self._start)
 
     # ---------------------------------------------------------------- sink
