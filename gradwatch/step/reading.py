@@ -14,7 +14,7 @@ import torch
 from gradwatch.step import observed as obs
 from gradwatch.step import preclip, stats
 from gradwatch.step.measure import Launched
-from gradwatch.step.recording import Recording
+from gradwatch.step.unmeasured import Unmeasured
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Measured:
     counts: dict[str, int]  # how many values of each observed name the read took
 
 
-class Reading(Recording):
+class Reading(Unmeasured):
     """The steps of one watched model, as far as reading a step's statistics
     (:class:`~gradwatch.step.lifecycle.Lifecycle` adds the step moment, judging and acting).
     """
