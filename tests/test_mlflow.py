@@ -130,6 +130,7 @@ def check_against_the_store(tracking: Tracking, run_id: str, run_dir: Path, *, p
 
 
 # ----------------------------------------------------------------------------------- a new run, the active run
+@pytest.mark.slow  # the tracking store: MLflow's SQLite migrations and imports take seconds
 def test_a_run_goes_into_an_mlflow_run_the_sink_starts_and_ends(
     tracking: Tracking, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -151,6 +152,7 @@ def test_a_run_goes_into_an_mlflow_run_the_sink_starts_and_ends(
     check_against_the_store(tracking, found.info.run_id, tmp_path / "run")
 
 
+@pytest.mark.slow  # the tracking store: MLflow's SQLite migrations and imports take seconds
 def test_the_active_run_takes_the_run_and_stays_open_named_in_pyproject(
     tracking: Tracking, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -171,6 +173,7 @@ def test_the_active_run_takes_the_run_and_stays_open_named_in_pyproject(
     check_against_the_store(tracking, found.info.run_id, tmp_path / "run")
 
 
+@pytest.mark.slow  # the tracking store: MLflow's SQLite migrations and imports take seconds
 def test_a_config_file_names_the_settings(tracking: Tracking, tmp_path: Path) -> None:
     experiment = tracking.experiment("settings")
     config = tmp_path / "gradwatch.toml"
@@ -193,6 +196,7 @@ def test_a_config_file_names_the_settings(tracking: Tracking, tmp_path: Path) ->
     assert sorted(tracking.history(found.info.run_id, "models/odd/global/grad_norm")) == list(range(STEPS))
 
 
+@pytest.mark.slow  # the tracking store: MLflow's SQLite migrations and imports take seconds
 def test_a_step_with_more_points_than_one_log_batch_takes_is_sent_whole(tracking: Tracking, tmp_path: Path) -> None:
     experiment = tracking.experiment("wide")
     torch.manual_seed(0)
@@ -257,6 +261,7 @@ def test_wrong_settings_fail_watch(tmp_path: Path, settings: dict[str, Any], wro
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # the tracking store: MLflow's SQLite migrations and imports take seconds
 def test_a_sink_whose_calls_fail_is_disabled_and_training_goes_on(
     tracking: Tracking, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

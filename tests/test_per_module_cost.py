@@ -24,6 +24,8 @@ import gradwatch as gw
 from gradwatch import guard
 from gradwatch.step import aggregate
 
+pytestmark = pytest.mark.slow  # three models trained 49 steps each, up to 1,003 modules: seconds
+
 PACKAGE = str(Path(gw.__file__).resolve().parent)
 #: blocks of each model: 4 modules each (the block, LayerNorm, Linear, ReLU), and the root, a norm and the head
 SIZES = (40, 100, 250)
