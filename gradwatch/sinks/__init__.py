@@ -9,12 +9,14 @@ training and the other sinks go on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from gradwatch.errors import ConfigError
+from gradwatch.store.findings import SEVERITIES, Finding, rank
 from gradwatch.store.records import StepRecord
+from gradwatch.store.verdict import UNFINISHED
 
 
 class Sink(Protocol):
@@ -81,3 +83,14 @@ def plugin_sinks(option: Any, run_dir: Path) -> list[Any]:
             sink.close("crashed")
         raise
     return built
+
+
+def tally(findings: Iterable[Finding], status: str) -> tuple[dict[str, int], str | None, bool]:
+    """A run's findings as a remote tracker's verdict: the occurrences by severity (folded repeats
+    counted), the worst severity (None: none), and whether it fails (an error, or a run that did not finish).
+    """
+    counts = dict.fromkeys(SEVERITIES, 0)
+    for f in findings:
+        counts[f.severity] += int(f.data.get("repeats", 1))
+    worst = max((s for s, n in counts.items() if n), key=rank, default=None)
+    return counts, worst, counts["error"] > 0 or status in UNFINISHED

@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from gradwatch.errors import ConfigError, GradwatchWarning
+from gradwatch.sinks import tally
 from gradwatch.sinks.sending import Sender
-from gradwatch.store.findings import SEVERITIES, Finding, rank
+from gradwatch.store.findings import Finding, rank
 from gradwatch.store.records import LAYER, StepRecord, present
 from gradwatch.store.verdict import UNFINISHED
 
@@ -212,11 +213,7 @@ class MLflow:
 
     def verdict(self, status: str) -> dict[str, str]:
         """The tags of a run that closed as ``status`` (``pass`` unless an error finding, or not finished)."""
-        counts = dict.fromkeys(SEVERITIES, 0)
-        for f in self._findings.values():
-            counts[f.severity] += int(f.data.get("repeats", 1))
-        worst = max((s for s, n in counts.items() if n), key=rank, default=None)
-        failed = counts["error"] > 0 or status in UNFINISHED
+        counts, worst, failed = tally(self._findings.values(), status)
         t = self._tag
         return {f"{t}.verdict": "fail" if failed else "pass", f"{t}.status": status, f"{t}.steps": str(self._steps),
                 f"{t}.worst": worst or "none", f"{t}.findings": json.dumps(counts)}

@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from gradwatch.errors import ConfigError
-from gradwatch.store.findings import SEVERITIES, Finding, rank
+from gradwatch.sinks import tally
+from gradwatch.store.findings import Finding
 from gradwatch.store.records import LAYER, StepRecord, present
 from gradwatch.store.verdict import UNFINISHED
 
@@ -168,11 +169,7 @@ class Wandb:
 
     def verdict(self, status: str) -> dict[str, Any]:
         """The summary entries of a run that closed as ``status`` (``pass`` unless an error or not finished)."""
-        counts = dict.fromkeys(SEVERITIES, 0)
-        for f in self._findings.values():
-            counts[f.severity] += int(f.data.get("repeats", 1))
-        worst = max((s for s, n in counts.items() if n), key=rank, default=None)
-        failed = counts["error"] > 0 or status in UNFINISHED
+        counts, worst, failed = tally(self._findings.values(), status)
         p = self._prefix
         return {f"{p}/verdict": "fail" if failed else "pass", f"{p}/status": status,
                 f"{p}/steps": self._last_step + 1, f"{p}/worst": worst or "none", f"{p}/counts": counts,
