@@ -10,20 +10,17 @@ each test id names its configuration. Every run must learn (its loss clearly fal
 discriminator's for a GAN, whose generator's loss rises as its opponent learns) and gradwatch
 must stay silent: false alarms on healthy runs are what make people turn a monitor off.
 
-The configurations train two at a time, each alone in a process of a pool (seeded, one thread,
-InternalWarning an error and any unraisable exception reported, as in the test process), ahead of
-the tests, which read their runs: on two cores the sweep takes half the time.
+The configurations train two at a time, each alone in a process of the tests' pool
+(``tests/pool.py``: seeded, one thread, as in the test process), ahead of the tests, which read
+their runs: on two cores the sweep takes half the time.
 """
 
 from __future__ import annotations
 
 import math
-import multiprocessing
 import random
-import sys
-import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import gradwatch as gw
+
+from . import pool
 
 # about 120 small training runs
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -335,43 +334,21 @@ def learned(losses: list[float]) -> bool:
 
 
 SETUPS = setups()
-#: processes that train the configurations at once
-WORKERS = 2
-
-
-def _worker_started() -> None:
-    """A pool process: one thread, and gradwatch's internal errors fail the run, as in the test process."""
-    torch.set_num_threads(1)
-    warnings.filterwarnings("error", category=gw.InternalWarning)
-
-
-def _train_in_worker(setup: Setup, run: Path) -> tuple[dict[str, list[float]], list[str]]:
-    """``train(setup, run)`` in a pool process; its losses, and the exceptions Python could not raise
-    (in ``__del__``, a finalizer ...) that pytest fails a test for in its own process."""
-    unraisable: list[str] = []
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda info: unraisable.append(f"{info.exc_type.__name__}: {info.exc_value} "
-                                                        f"in {info.object!r}")
-    try:
-        return train(setup, run), unraisable
-    finally:
-        sys.unraisablehook = hook
 
 
 @pytest.fixture(scope="module")
 def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[dict[str, tuple[Future[tuple[dict[str, list[float]], list[str]]], Path]]]:
+            ) -> Iterator[dict[str, tuple[Future[Any], Path]]]:
     """The configurations this session tests, each given to the pool as the module starts: its
-    result to come, and its run's folder."""
+    losses to come, and its run's folder."""
     root = tmp_path_factory.mktemp("sweep")
     chosen = [item.callspec.params["setup"] for item in request.session.items
               if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
               and "setup" in item.callspec.params]
-    pool = ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_started)
-    try:
-        yield {s.name: (pool.submit(_train_in_worker, s, root / s.name / "run"), root / s.name) for s in chosen}
-    finally:
-        pool.shutdown(cancel_futures=True)  # a session stopped early (-x) waits for no configuration it skips
+    futures = {s.name: (pool.submit(train, s, root / s.name / "run"), root / s.name) for s in chosen}
+    yield futures
+    for future, _ in futures.values():
+        future.cancel()  # a session stopped early (-x) trains no configuration it no longer tests
 
 
 def test_the_sweep_covers_every_axis() -> None:
@@ -387,9 +364,8 @@ def test_the_sweep_covers_every_axis() -> None:
 
 @pytest.mark.parametrize("setup", SETUPS, ids=[s.name for s in SETUPS])
 def test_a_healthy_configuration_is_quiet(setup: Setup, trained: dict[str, Any]) -> None:
-    result, folder = trained[setup.name]
-    losses, unraisable = result.result()  # an exception in the pool process is raised here, with its traceback
-    assert not unraisable, unraisable
+    future, folder = trained[setup.name]
+    losses = pool.result(future)  # an exception in the pool process is raised here, with its traceback
     # a GAN's losses need not fall (the generator's rises as its opponent learns): its samples near the data's
     learner = "gap" if setup.family == "gan" else "model"
     assert learned(losses[learner]), f"the run learns: {losses[learner][:3]} ... {losses[learner][-3:]}"

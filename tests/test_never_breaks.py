@@ -24,6 +24,8 @@ from torch import nn
 import gradwatch as gw
 from gradwatch import guard
 
+from . import pool
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:torch")
 
 
@@ -177,10 +179,12 @@ def test_a_failure_in_any_entry_point_detaches_gradwatch_and_training_goes_on_un
     assert not internal and _same(watched, reference), "watched with rules=None, the weights are the unwatched ones"
     assert {"forward_pre", "sentinel_grad", "accumulated", "backward_end", "step_pre", "step_post"} <= calls.keys()
     failures = []
-    for kind, count in sorted(calls.items()):
-        run = tmp_path / kind
-        weights, internal, _ = _loop(run, config, fault=kind, after=count // 2)  # mid-run
-        with gw.open_run(run) as stored:  # the run is readable: what was recorded until the failure
+    # a run per kind, failing mid-run; independent of each other, they train in the tests' pool of two processes
+    runs = {kind: pool.submit(_loop, tmp_path / kind, config, kind, count // 2)
+            for kind, count in sorted(calls.items())}
+    for kind, future in runs.items():
+        weights, internal, _ = pool.result(future)
+        with gw.open_run(tmp_path / kind) as stored:  # the run is readable: what was recorded until the failure
             status, steps = stored.status, stored.steps
         if len(internal) != 1 or "fault injected" not in internal[0]:
             failures.append(f"{kind}: {len(internal)} InternalWarnings {internal}")
