@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, TypeVar
 
+import pytest
 import torch
 
 T = TypeVar("T")
@@ -63,3 +64,10 @@ def result(future: Future[tuple[T, list[str]]]) -> T:
     value, unraisable = future.result()
     assert not unraisable, unraisable
     return value
+
+
+def chosen(request: pytest.FixtureRequest, name: str) -> list[Any]:
+    """The values of parameter ``name`` of the requesting module's tests that this session runs (in order)."""
+    return [item.callspec.params[name] for item in request.session.items
+            if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+            and name in item.callspec.params]

@@ -342,10 +342,8 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     """The configurations this session tests, each given to the pool as the module starts: its
     losses to come, and its run's folder."""
     root = tmp_path_factory.mktemp("sweep")
-    chosen = [item.callspec.params["setup"] for item in request.session.items
-              if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
-              and "setup" in item.callspec.params]
-    futures = {s.name: (pool.submit(train, s, root / s.name / "run"), root / s.name) for s in chosen}
+    futures = {s.name: (pool.submit(train, s, root / s.name / "run"), root / s.name)
+               for s in pool.chosen(request, "setup")}
     yield futures
     for future, _ in futures.values():
         future.cancel()  # a session stopped early (-x) trains no configuration it no longer tests

@@ -18,6 +18,8 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
@@ -46,6 +48,8 @@ from gradwatch.store.findings import KINDS, SEVERITIES, Finding
 from gradwatch.store.reader import open_run
 from gradwatch.store.records import LAYER, Layout, StepRecord
 from gradwatch.store.writer import StoreWriter, create_store
+
+from . import pool
 
 NAN_STEP = 5
 #: every finding kind: the detectors' registry, and the kinds made elsewhere (replicas, plugins' list)
@@ -310,10 +314,8 @@ def check_every_output(path: Path, findings: list[Finding]) -> None:
     assert [f.message in text for f, text in zip(findings, texts)] == [True] * len(findings)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ALL_KINDS)
-def test_every_output_renders_every_kind_with_nonfinite_numbers(kind: str) -> None:
-    assert SHAPES.get(kind), f"no real data of {kind!r} in tests/data/finding_data.json: add a finding of it"
+def every_output_of(kind: str) -> None:
+    """The property below for one kind: drawn findings of ``kind`` through every output."""
 
     @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(findings_of(kind))
@@ -324,6 +326,24 @@ def test_every_output_renders_every_kind_with_nonfinite_numbers(kind: str) -> No
             check_every_output(path, findings)
 
     prop()
+
+
+@pytest.fixture(scope="module")
+def every_output(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[Any]]]:
+    """The kinds this session tests, each property run given to the tests' pool as the module starts
+    (``tests/pool.py``: two processes beside this one), its outcome to come."""
+    futures = {kind: pool.submit(every_output_of, kind) for kind in pool.chosen(request, "kind") if SHAPES.get(kind)}
+    yield futures
+    for future in futures.values():
+        future.cancel()  # a session stopped early (-x) runs no property it no longer tests
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_every_output_renders_every_kind_with_nonfinite_numbers(kind: str, every_output: dict[str, Future[Any]]
+                                                                ) -> None:
+    assert SHAPES.get(kind), f"no real data of {kind!r} in tests/data/finding_data.json: add a finding of it"
+    pool.result(every_output[kind])  # a falsifying example is raised here, with its traceback
 
 
 def test_the_data_of_real_findings_names_every_kind() -> None:
