@@ -66,8 +66,10 @@ def result(future: Future[tuple[T, list[str]]]) -> T:
     return value
 
 
-def chosen(request: pytest.FixtureRequest, name: str) -> list[Any]:
-    """The values of parameter ``name`` of the requesting module's tests that this session runs (in order)."""
+def chosen(request: pytest.FixtureRequest, name: str, *, test: str | None = None, slow: bool = False) -> list[Any]:
+    """The values of parameter ``name`` of the requesting module's tests that this session runs (in order);
+    only of the test function ``test``, only of the tests marked slow if ``slow``."""
     return [item.callspec.params[name] for item in request.session.items
             if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
-            and name in item.callspec.params]
+            and name in item.callspec.params and (test is None or getattr(item, "originalname", None) == test)
+            and (not slow or item.get_closest_marker("slow") is not None)]

@@ -8,6 +8,8 @@ reaches the same answer.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,8 @@ from gradwatch import detectors
 from gradwatch.cli.rejudge import rejudge
 from gradwatch.options import DEFAULT_SAMPLE_PERIOD
 
-from .zoo import HEALTHY, LR_JUMP, PATHOLOGIES, Case, run
+from . import pool
+from .zoo import CASES, HEALTHY, LR_JUMP, PATHOLOGIES, Case, run
 
 #: planted cases that train for many seconds (marked slow)
 SLOW_CASES = {"exploding_lr_jump", "exploding_large_init", "loss_spike_corrupt_batch", "nonfinite_sqrt_backward",
@@ -72,11 +75,38 @@ def train(case: Case, path: Path) -> tuple[list[dict[str, Any]], list[float], se
     return records, losses, {name for name, _ in model.named_modules()}
 
 
+def train_case(name: str, path: Path) -> tuple[list[dict[str, Any]], list[float], set[str]]:
+    """``train`` of the zoo's case ``name`` (named: a case's build function does not pickle)."""
+    return train(CASES[name], path)
+
+
+@pytest.fixture(scope="module")
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, tuple[Future[Any], Path]]]:
+    """The slow cases this session tests, each given to the tests' pool as the module starts
+    (``tests/pool.py``: two processes beside this one): what ``train`` returns, to come, and its run."""
+    root = tmp_path_factory.mktemp("zoo")
+    futures = {c.name: (pool.submit(train_case, c.name, root / c.name / "run"), root / c.name / "run")
+               for c in pool.chosen(request, "case", slow=True)}
+    yield futures
+    for future, _ in futures.values():
+        future.cancel()  # a session stopped early (-x) trains no case it no longer tests
+
+
+def trained_case(case: Case, tmp_path: Path, trained: dict[str, tuple[Future[Any], Path]]
+                 ) -> tuple[list[dict[str, Any]], list[float], set[str], Path]:
+    """``train(case)`` and the run's path: from the pool for a slow case, trained here for a quick one."""
+    if case.name in trained:
+        future, path = trained[case.name]
+        return (*pool.result(future), path)
+    return (*train(case, tmp_path / "run"), tmp_path / "run")
+
+
 @pytest.mark.slow  # the healthy zoo, hundreds of steps per model
 @pytest.mark.parametrize("case", HEALTHY, ids=[c.name for c in HEALTHY])
-def test_healthy_zoo_is_quiet(case: Case, tmp_path: Path) -> None:
-    found, losses, _ = train(case, tmp_path / "run")
-    replay_matches(tmp_path / "run")
+def test_healthy_zoo_is_quiet(case: Case, tmp_path: Path, trained: dict[str, tuple[Future[Any], Path]]) -> None:
+    found, losses, _, path = trained_case(case, tmp_path, trained)
+    replay_matches(path)
     loud = [f for f in found if f["severity"] in ("warning", "error")]
     assert loud == [], f"{case.name}: {[(f['step'], f['kind'], f['layer'], f['message']) for f in loud]}"
     assert all(math.isfinite(x) for x in losses)
@@ -84,10 +114,11 @@ def test_healthy_zoo_is_quiet(case: Case, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.name in SLOW_CASES else c
                                   for c in PATHOLOGIES], ids=[c.name for c in PATHOLOGIES])
-def test_planted_pathology_is_found_at_its_layer_and_step(case: Case, tmp_path: Path) -> None:
+def test_planted_pathology_is_found_at_its_layer_and_step(case: Case, tmp_path: Path,
+                                                          trained: dict[str, tuple[Future[Any], Path]]) -> None:
     assert case.kind is not None and case.onset is not None
-    found, losses, layers = train(case, tmp_path / "run")
-    replay_matches(tmp_path / "run")
+    found, losses, layers, path = trained_case(case, tmp_path, trained)
+    replay_matches(path)
     kinds = {f["kind"] for f in found}
     assert kinds <= {case.kind} | COMPANIONS.get(case.name, set()), f"unexpected findings: {found}"
     mine = sorted((f for f in found if f["kind"] == case.kind), key=lambda f: f["step"])
