@@ -11,6 +11,8 @@ import ast
 import math
 import statistics
 import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from . import pool
 from .zoo import CASES, HEALTHY, PATHOLOGIES, Case, run
 
 BOUNDED = (nn.Sigmoid, nn.Tanh)  # saturating activations used in the zoo
@@ -262,10 +265,27 @@ def test_run_is_reproducible_and_uses_given_objects() -> None:
 # ----------------------------------------------------------------------------- healthy cases
 
 
+def healthy_trace(name: str) -> Trace:
+    """What the plain-torch monitor saw of the healthy case ``name`` (named: a case's build function does
+    not pickle), its forward checks off."""
+    return monitor(CASES[name], forward_checks=False)[0]
+
+
+@pytest.fixture(scope="module")
+def healthy_traces(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[Any]]]:
+    """The healthy cases this session tests, each given to the tests' pool as the module starts
+    (``tests/pool.py``: two processes beside this one), its trace to come."""
+    futures = {c.name: pool.submit(healthy_trace, c.name)
+               for c in pool.chosen(request, "case", test="test_healthy_case_is_healthy")}
+    yield futures
+    for future in futures.values():
+        future.cancel()  # a session stopped early (-x) trains no case it no longer tests
+
+
 @pytest.mark.slow  # the healthy zoo, hundreds of steps per model
 @pytest.mark.parametrize("case", HEALTHY, ids=HEALTHY_IDS)
-def test_healthy_case_is_healthy(case: Case) -> None:
-    tr, model = monitor(case, forward_checks=False)
+def test_healthy_case_is_healthy(case: Case, healthy_traces: dict[str, Future[Any]]) -> None:
+    tr = pool.result(healthy_traces[case.name])
     n = case.steps
     assert 150 <= n <= 300
     # finite throughout, and it learns
