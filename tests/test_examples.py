@@ -1,9 +1,17 @@
-"""Every script in examples/ runs as written."""
+"""Every script in examples/ runs as written.
+
+The scripts that run to their end unattended (no server to query while they train) are started
+as the module begins, one at a time beside the test process, each in a folder of its own; their
+tests check what they printed and wrote. The tests that query a script while it trains start it
+themselves, so that at most two scripts run at once.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,11 +21,44 @@ import gradwatch as gw
 pytestmark = pytest.mark.slow  # each example runs as a script in its own process
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+#: the scripts run unattended, by test: their command lines (run one after the other, in one folder)
+UNATTENDED = {
+    "test_quickstart_runs_as_written": [["quickstart.py"]],
+    "test_lightning_example_runs_as_written": [["lightning_example.py"]],
+    "test_hf_trainer_example_runs_as_written": [["hf_trainer_example.py"]],
+    "test_tutorial_fails_at_the_planted_zero_and_the_fix_passes_the_gate": [["tutorial.py"],
+                                                                             ["tutorial.py", "--fixed"]],
+}
+#: what ``ran`` gives: by test, its scripts' completed processes to come, and their folder
+Ran = dict[str, tuple[Future[list[subprocess.CompletedProcess[str]]], Path]]
 
 
-def test_quickstart_runs_as_written(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(EXAMPLES / "quickstart.py")], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+def _run_all(commands: list[list[str]], cwd: Path) -> list[subprocess.CompletedProcess[str]]:
+    return [subprocess.run([sys.executable, str(EXAMPLES / command[0]), *command[1:]], cwd=cwd, capture_output=True,
+                           text=True, timeout=600) for command in commands]
+
+
+@pytest.fixture(scope="module")
+def ran(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+        ) -> Iterator[Ran]:
+    """The unattended scripts of the tests this session runs, started as the module begins: their
+    completed processes to come, and their folder."""
+    names = {getattr(item, "originalname", None) for item in request.session.items
+             if getattr(item, "module", None) is request.module}
+    with ThreadPoolExecutor(1) as runner:
+        started = {}
+        for name, commands in UNATTENDED.items():
+            if name in names:
+                cwd = tmp_path_factory.mktemp(name)
+                started[name] = (runner.submit(_run_all, commands, cwd), cwd)
+        yield started
+        for future, _ in started.values():
+            future.cancel()  # a session stopped early (-x) runs no script it no longer tests
+
+
+def test_quickstart_runs_as_written(ran: Ran) -> None:
+    future, tmp_path = ran["test_quickstart_runs_as_written"]
+    (result,) = future.result()
     assert result.returncode == 0, result.stderr
     run = gw.open_run(tmp_path / "runs" / "quickstart")
     assert run.steps == 200 and run.layers == ["0", "1", "2", "3", "4"]
@@ -93,10 +134,10 @@ def test_prometheus_exporter_serves_while_training(tmp_path: Path) -> None:
     assert run.findings()[["step", "kind", "action"]].values.tolist()[0] == [100, "nonfinite", "skip"]
 
 
-def test_lightning_example_runs_as_written(tmp_path: Path) -> None:
+def test_lightning_example_runs_as_written(ran: Ran) -> None:
     pytest.importorskip("lightning.pytorch")
-    result = subprocess.run([sys.executable, str(EXAMPLES / "lightning_example.py")], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    future, tmp_path = ran["test_lightning_example_runs_as_written"]
+    (result,) = future.result()
     assert result.returncode == 0, result.stderr
     run = gw.open_run(tmp_path / "runs" / "lightning-example")
     assert run.steps == 100 and run.status == "finished"
@@ -110,11 +151,11 @@ def test_lightning_example_runs_as_written(tmp_path: Path) -> None:
     assert loss.iloc[-10:].mean() < loss.iloc[:10].mean() / 10, "training went on after the skipped step"
 
 
-def test_hf_trainer_example_runs_as_written(tmp_path: Path) -> None:
+def test_hf_trainer_example_runs_as_written(ran: Ran) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    result = subprocess.run([sys.executable, str(EXAMPLES / "hf_trainer_example.py")], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    future, tmp_path = ran["test_hf_trainer_example_runs_as_written"]
+    (result,) = future.result()
     assert result.returncode == 0, result.stderr
     run = gw.open_run(tmp_path / "runs" / "hf-trainer-example")
     assert run.steps == 60 and run.status == "finished" and run.findings().empty
@@ -125,10 +166,10 @@ def test_hf_trainer_example_runs_as_written(tmp_path: Path) -> None:
     assert (scalars["grad_norm_preclip"] >= scalars["grad_norm"] * (1 - 1e-6)).all()
 
 
-def test_tutorial_fails_at_the_planted_zero_and_the_fix_passes_the_gate(tmp_path: Path) -> None:
+def test_tutorial_fails_at_the_planted_zero_and_the_fix_passes_the_gate(ran: Ran) -> None:
     """examples/tutorial.py as docs/tutorial.md tells it: halted at step 60 by a log(0), fixed by a clamp."""
-    failing = subprocess.run([sys.executable, str(EXAMPLES / "tutorial.py")], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600)
+    future, tmp_path = ran["test_tutorial_fails_at_the_planted_zero_and_the_fix_passes_the_gate"]
+    failing, fixed = future.result()
     assert failing.returncode == 1 and "gradwatch.errors.TrainingHalted" in failing.stderr, failing.stderr
     run = gw.open_run(tmp_path / "runs" / "tutorial")
     assert (run.steps, run.status) == (61, "halted")
@@ -142,8 +183,6 @@ def test_tutorial_fails_at_the_planted_zero_and_the_fix_passes_the_gate(tmp_path
     assert (f"cause: data (only 1 of the batch's 64 samples went NaN/Inf, by a 0 in the input of log at "
             f"tutorial.py:{line}") in " ".join(failing.stderr.split())
     assert "samples to blame: sample 17" in finding.message and "cause: model" not in failing.stderr
-    fixed = subprocess.run([sys.executable, str(EXAMPLES / "tutorial.py"), "--fixed"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=600)
     assert fixed.returncode == 0, fixed.stderr
     run = gw.open_run(tmp_path / "runs" / "tutorial-fixed")
     assert (run.steps, run.status) == (192, "finished") and run.findings().empty
