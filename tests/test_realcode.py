@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from .realcode import Result, gpt, hf_trainer, lstm_lm, reinforce, resnet, train, vae
+from . import pool
+from .realcode import Result, gpt, hf_trainer, lstm_lm, reinforce, resnet, train, unwatched_aside, vae
 
 # the real-code zoo: real models and training loops, several seconds each (one thread: small models on a shared machine)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -47,8 +48,9 @@ HEALTHY = {
 @pytest.mark.slow  # each real-code model trained twice
 def test_healthy_real_code_is_quiet_and_bit_identical(name: str, tmp_path: Path) -> None:
     script, config = HEALTHY[name]
-    plain = train(script, None, **config)
+    aside = unwatched_aside(script, **config)  # the unwatched run trains in the tests' pool meanwhile
     watched = train(script, tmp_path / "run", **config)
+    plain = pool.result(aside)
     assert watched.losses == plain.losses, "watching changes nothing (the default rules took no action)"
     assert loud(watched) == []
     assert sum(plain.losses[-5:]) < sum(plain.losses[:5]) or name == "reinforce", "the script learns"
@@ -56,8 +58,9 @@ def test_healthy_real_code_is_quiet_and_bit_identical(name: str, tmp_path: Path)
 
 @pytest.mark.slow  # a Trainer run takes a few seconds to set up
 def test_healthy_hf_trainer_is_quiet_and_bit_identical(tmp_path: Path) -> None:
-    plain = train(hf_trainer, None)
+    aside = unwatched_aside(hf_trainer)  # the unwatched run trains in the tests' pool meanwhile
     watched = train(hf_trainer, tmp_path / "run")
+    plain = pool.result(aside)
     assert watched.losses == plain.losses
     assert loud(watched) == []
 

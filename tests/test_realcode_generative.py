@@ -16,7 +16,8 @@ import pytest
 
 import gradwatch as gw
 
-from .realcode import dcgan, ddpm
+from . import pool
+from .realcode import dcgan, ddpm, unwatched_aside
 
 # real models and training loops, a few seconds each (one thread: small models on a shared machine)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -40,8 +41,9 @@ def test_healthy_dcgan_is_quiet_and_bit_identical(tmp_path: Path, real_label: fl
     """Before: 'loss 1.069 at step 10 (median of the last 3) is 1.52x its first values (0.7018): training is
     diverging; the learning rate is likely too high' on the generator, whose loss rises as the
     discriminator learns (0.70 -> 1.1 in 10 steps, 2.7 by step 60)."""
-    plain = dcgan.train(dcgan.Config(real_label=real_label))
+    aside = unwatched_aside(dcgan, real_label=real_label)  # the unwatched run trains in the tests' pool meanwhile
     watched = dcgan.train(dcgan.Config(run=tmp_path / "run", real_label=real_label))
+    plain = pool.result(aside)
     assert watched.losses == plain.losses
     assert watched.extra["generator_losses"] == plain.extra["generator_losses"]
     generator = plain.extra["generator_losses"]
@@ -67,8 +69,9 @@ def test_a_discriminator_learning_rate_100x_too_high_is_named_at_step_0(tmp_path
 
 # ------------------------------------------------------------------------------------- DDPM
 def test_healthy_ddpm_is_quiet_and_bit_identical(tmp_path: Path) -> None:
-    plain = ddpm.train(ddpm.Config())
+    aside = unwatched_aside(ddpm)  # the unwatched run trains in the tests' pool meanwhile
     watched = ddpm.train(ddpm.Config(run=tmp_path / "run"))
+    plain = pool.result(aside)
     assert watched.losses == plain.losses
     assert sum(plain.losses[-5:]) < 0.5 * sum(plain.losses[:5]), "the model learns to predict the noise"
     assert loud(tmp_path / "run") == []

@@ -65,3 +65,21 @@ def detach(model: Any, run: Path | None) -> None:
 def train(script: Any, run: Path | None, **config: Any) -> Result:
     """Run a real-code script's ``train`` with its ``Config`` (``run=None``: unwatched)."""
     return script.train(script.Config(run=run, **config))
+
+
+def unwatched(script: str, config: dict[str, Any]) -> Result:
+    """An unwatched run of the script named ``script`` (a module of this package), for the tests' pool
+    (``tests/pool.py``): its losses, and of its extras the lists of numbers (what pickles back)."""
+    import importlib
+
+    result = train(importlib.import_module(f"{__name__}.{script}"), None, **config)
+    numbers = {k: v for k, v in result.extra.items() if isinstance(v, list) and all(isinstance(x, float) for x in v)}
+    return Result(result.losses, None, numbers)
+
+
+def unwatched_aside(script: Any, **config: Any) -> Any:
+    """``train(script, None, **config)`` started in the tests' pool, beside the test process (which trains the
+    watched run meanwhile): a future whose ``tests.pool.result()`` is the unwatched run's :func:`unwatched`."""
+    from tests import pool
+
+    return pool.submit(unwatched, script.__name__.rpartition(".")[2], config)
