@@ -111,14 +111,35 @@ def tick_value(text: str) -> float:
     return 10 ** (1 if power is None else power)  # "10", or 10 to a power
 
 
+def laid_out_labels(page, selector: str, timeout: float = 10.0) -> list[list]:  # type: ignore[no-untyped-def]
+    """The labels at `selector` with their vertical middles, once plotly has laid them out.
+
+    A chart's first draw and its redraw on the next progress event place the tick labels in steps:
+    read too early, every label sits at one place (a loaded CI machine did). The labels are read
+    when at least three sit at different places and two animation frames agree.
+    """
+    handle = page.wait_for_function(
+        """selector => {
+            const read = () => [...document.querySelectorAll(selector)].map(e => {
+                const box = e.getBoundingClientRect(); return [e.textContent, box.top + box.height / 2]; });
+            const now = JSON.stringify(read());
+            const seen = window.__gwLabels || (window.__gwLabels = {});
+            const same = seen[selector] === now;
+            seen[selector] = now;
+            const places = new Set(JSON.parse(now).filter(([text]) => text).map(([, y]) => Math.round(y)));
+            return same && places.size >= 3 ? JSON.parse(now) : null;
+        }""",
+        arg=selector, polling="raf", timeout=timeout * 1000)
+    return handle.json_value()
+
+
 def assert_log_ticks_read_true(page, selector: str, low: float, high: float) -> list[float]:  # type: ignore[no-untyped-def]
     """The tick labels of a log axis say the values at their places: rising, evenly in log, around the data.
 
     plotly's default writes the ticks between powers of ten as their first digit: on an axis from
     0.25 to 3, "3 4 5 6 7 8 9 1 2 3", which is neither rising nor the values.
     """
-    labels = page.eval_on_selector_all(selector, """els => els.map(e => {
-        const box = e.getBoundingClientRect(); return [e.textContent, box.top + box.height / 2]; })""")
+    labels = laid_out_labels(page, selector)
     labels = sorted(((tick_value(text), y) for text, y in labels if text), key=lambda label: -label[1])
     values = [v for v, _ in labels]
     assert len(values) >= 3, labels
