@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -27,6 +28,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: what a rank finished with (process groups, the DDP and FSDP modules that hold them), kept to its end
+_finished: list[Any] = []
+
+
+def leave_group(*holders: Any) -> None:
+    """End this rank's default process group, destroying its objects only when the rank's process ends.
+
+    torch 2.13 stashes a Python object in the thread-local state during backward (the ``"context"``
+    of ``torch/autograd/graph.py``), and every collective launched there (DDP's all-reduces) captures
+    it; the gloo worker thread that releases such a work takes the GIL to do so. A process group
+    destroyed while its worker still releases one (right after a barrier that waited on them) joins
+    that thread holding the GIL: a deadlock, seen on rank 0 in ``~ProcessGroupGloo`` from the DDP
+    Reducer's dealloc. Kept here, the group and its ``holders`` are destroyed as the process exits,
+    when its workers are long idle.
+    """
+    if dist.is_initialized():
+        _finished.append(dist.distributed_c10d._get_default_group())
+        _finished.extend(h for h in holders if h is not None)
+        dist.destroy_process_group()
 
 
 def _serve(rank: int, tasks: Any, done: Any) -> None:

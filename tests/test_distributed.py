@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradwatch as gw
 
-from .ranks import spawn_ranks
+from .ranks import leave_group, spawn_ranks
 
 pytestmark = pytest.mark.slow  # two real processes on the gloo backend
 
@@ -56,6 +56,8 @@ def play(rank: int, store: dist.Store, out: Path, scenario: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     run = str(out / "run")
     result: dict[str, Any] = {"rank": rank}
+    ddp: Any = None  # kept past the scenario with its process group (ranks.leave_group)
+    model: Any = None
     restore: Callable[[], None] | None = None
     try:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
@@ -137,8 +139,7 @@ def play(rank: int, store: dist.Store, out: Path, scenario: str) -> None:
     finally:
         if restore is not None:
             restore()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group(ddp, model)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 

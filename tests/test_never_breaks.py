@@ -232,6 +232,8 @@ def ddp_worker(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
+    from tests.ranks import leave_group
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result: dict[str, Any] = {"rank": rank, "faults": {}}
     try:
@@ -247,8 +249,7 @@ def ddp_worker(rank: int, port: int, out: str) -> None:
     except BaseException:
         result["error"] = traceback.format_exc()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 

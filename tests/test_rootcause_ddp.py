@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradwatch as gw
 
-from .ranks import spawn_ranks
+from .ranks import leave_group, spawn_ranks
 
 pytestmark = pytest.mark.slow  # two real processes on the gloo backend
 
@@ -40,6 +40,8 @@ class Flaky(nn.Module):
 def worker(rank: int, port: int, run: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result: dict[str, Any] = {"rank": rank}
+    ddp: Any = None  # kept past the run with its process group (ranks.leave_group)
+    model: Any = None
     try:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         torch.manual_seed(0)
@@ -61,8 +63,7 @@ def worker(rank: int, port: int, run: str, out: str) -> None:
     except BaseException:
         result["error"] = traceback.format_exc()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group(ddp, model)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
