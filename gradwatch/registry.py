@@ -96,7 +96,7 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
     for key in _keys(model):
         _watchers[key] = watcher_
     _live.add(watcher_)
-    weakref.finalize(model, watcher_.close)  # a model dropped while watched closes its run
+    weakref.finalize(model, _dropped, watcher_)  # a model dropped while watched closes its run
     _install_exit_handlers()
     _install_signal_handlers()
     return model
@@ -225,6 +225,18 @@ def flush_run(run_dir: Path) -> bool:
             w.flush()
             return True
     return False
+
+
+def _dropped(watcher_: Watcher) -> None:
+    """A watched model was garbage-collected: its run closes.
+
+    A model that is a local of the user's ``main()`` is freed while a ``sys.exit`` (a SIGTERM handler's
+    included) unwinds, before ``atexit``: when ``sys.exit`` was called and the watcher took no step
+    since, the run closes as that exit ends it (``exited`` with its code), not as finished.
+    """
+    exiting = ending.NOW.code is not None
+    status, detail = ending.outcome({id(watcher_): watcher_.step}, at_exit=exiting) if exiting else (None, {})
+    watcher_.close(status, detail)
 
 
 def _steps() -> dict[int, int]:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 import gradwatch as gw
 
-mode, run = sys.argv[1], sys.argv[2]
+mode, run, where = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.manual_seed(0)
 
 def user_handler(signum, frame):
@@ -37,58 +37,71 @@ def user_handler(signum, frame):
 
 if mode == "handler_before":
     signal.signal(signal.SIGTERM, user_handler)
-model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-gw.watch(model, run=run, console=False, flush_seconds=600)  # nothing is committed unless gradwatch flushes
-stop = []
-if mode == "handler_after":
-    signal.signal(signal.SIGTERM, user_handler)
-if mode == "graceful_after":  # a framework's handler that calls the one before it, then stops the loop itself
-    before = signal.getsignal(signal.SIGTERM)
-    def graceful(signum, frame):
-        before(signum, frame)
-        stop.append(signum)
-    signal.signal(signal.SIGTERM, graceful)
-if mode == "inside_hook":  # the signal arrives while gradwatch's step hook runs (at step 30's moment)
-    steps = iter(range(100000))
-    gw.watcher(model).integrate(on_halt=print, before_step=lambda: next(steps) == 30 and os.kill(os.getpid(),
-                                                                                                signal.SIGTERM))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-for step in range(100000):
-    loss = model(torch.randn(16, 4)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    print(f"step {step}", flush=True)
-    if step == 20:
-        if mode == "exit1":
-            sys.exit(1)
-        if mode == "exitmsg":
-            sys.exit("out of data")
-        if mode == "exit0":
-            sys.exit(0)
-        if mode == "exit_caught":  # an argument parser's exit, caught: training goes on and finishes
-            try:
-                sys.exit(2)
-            except SystemExit:
-                pass
-        print("ready", flush=True)
-    if mode == "exit_caught" and step == 25:
-        break
-    if stop:
-        print("stopped gracefully", flush=True)
-        break
-    if step > 20:
-        time.sleep(0.002)
+kept = []
+
+
+def main():  # the model a local of main() (freed as a sys.exit unwinds), unless where == "module"
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    gw.watch(model, run=run, console=False, flush_seconds=600)  # nothing is committed unless gradwatch flushes
+    if where == "module":  # the model lives to the end, as a module-level one does
+        kept.append(model)
+    stop = []
+    if mode == "handler_after":
+        signal.signal(signal.SIGTERM, user_handler)
+    if mode == "graceful_after":  # a framework's handler that calls the one before it, then stops the loop itself
+        before = signal.getsignal(signal.SIGTERM)
+        def graceful(signum, frame):
+            before(signum, frame)
+            stop.append(signum)
+        signal.signal(signal.SIGTERM, graceful)
+    if mode == "inside_hook":  # the signal arrives while gradwatch's step hook runs (at step 30's moment)
+        steps = iter(range(100000))
+        gw.watcher(model).integrate(on_halt=print, before_step=lambda: next(steps) == 30 and os.kill(os.getpid(),
+                                                                                                    signal.SIGTERM))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(100000):
+        loss = model(torch.randn(16, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(f"step {step}", flush=True)
+        if step == 20:
+            if mode == "exit1":
+                sys.exit(1)
+            if mode == "exitmsg":
+                sys.exit("out of data")
+            if mode == "exit0":
+                sys.exit(0)
+            if mode == "exit_caught":  # an argument parser's exit, caught: training goes on and finishes
+                try:
+                    sys.exit(2)
+                except SystemExit:
+                    pass
+            print("ready", flush=True)
+        if mode == "exit_caught" and step == 25:
+            break
+        if stop:
+            print("stopped gracefully", flush=True)
+            break
+        if step > 20:
+            time.sleep(0.002)
+
+
+main()
 '''
 
 
-def _train(tmp_path: Path, mode: str, *, terminate: bool) -> tuple[int, str, str, Path]:
-    """Run the script in ``mode``; with ``terminate``, send it SIGTERM once it is training past step 20."""
+def _train(tmp_path: Path, mode: str, *, terminate: bool, where: str = "module") -> tuple[int, str, str, Path]:
+    """Run the script in ``mode``; with ``terminate``, send it SIGTERM once it is training past step 20.
+
+    ``where``: ``"module"`` keeps the model to the process's end, as a module-level model; ``"main"`` leaves
+    it a local of the script's ``main()``, freed as a ``sys.exit`` unwinds, before ``atexit``.
+    """
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    run = tmp_path / f"run-{mode}"
+    run = tmp_path / f"run-{mode}-{where}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen([sys.executable, str(script), mode, str(run)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), mode, str(run), where], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     assert proc.stdout is not None
     lines = []
@@ -168,8 +181,11 @@ def test_sigterm_calls_the_users_handler_installed_before_watch(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_a_handler_installed_after_watch_decides_and_its_exit_code_is_recorded(tmp_path: Path) -> None:
-    code, out, err, run = _train(tmp_path, "handler_after", terminate=True)
+@pytest.mark.parametrize("where", ["module", "main"])
+def test_a_handler_installed_after_watch_decides_and_its_exit_code_is_recorded(tmp_path: Path, where: str) -> None:
+    """Also with the model a local of ``main()``: freed as the handler's ``SystemExit`` unwinds, before
+    ``atexit``, its run closes as the exit ends it (it read ``finished``)."""
+    code, out, err, run = _train(tmp_path, "handler_after", terminate=True, where=where)
     assert "user handler 15" in out and code == 143, err
     with gw.open_run(run) as r:
         assert r.ended == {"status": "exited", "code": 143}
@@ -355,14 +371,16 @@ def test_a_framework_handler_that_chains_to_gradwatch_keeps_the_process_alive(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "ended"), [
-    ("exit1", {"status": "exited", "code": 1}),
-    ("exitmsg", {"status": "exited", "code": 1, "message": "out of data"}),
-    ("exit0", {"status": "finished"}),
-    ("exit_caught", {"status": "finished"}),
+@pytest.mark.parametrize(("mode", "where", "ended"), [
+    ("exit1", "module", {"status": "exited", "code": 1}),
+    ("exit1", "main", {"status": "exited", "code": 1}),  # the model freed as the exit unwinds: still exited
+    ("exitmsg", "module", {"status": "exited", "code": 1, "message": "out of data"}),
+    ("exit0", "module", {"status": "finished"}),
+    ("exit_caught", "module", {"status": "finished"}),
+    ("exit_caught", "main", {"status": "finished"}),  # freed as main() returns after the caught exit: finished
 ])
-def test_sys_exit_records_its_code(tmp_path: Path, mode: str, ended: dict[str, object]) -> None:
-    code, out, err, run = _train(tmp_path, mode, terminate=False)
+def test_sys_exit_records_its_code(tmp_path: Path, mode: str, where: str, ended: dict[str, object]) -> None:
+    code, out, err, run = _train(tmp_path, mode, terminate=False, where=where)
     assert code == ended.get("code", 0), err
     with gw.open_run(run) as r:
         assert r.ended == ended
