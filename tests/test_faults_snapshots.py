@@ -89,16 +89,16 @@ INTERRUPTED = textwrap.dedent(
 
     run, snaps, how = sys.argv[1], sys.argv[2], sys.argv[3]
     sig = signal.SIGINT if how == "ctrl-c" else signal.SIGUSR1
+    # Ctrl-C as in a terminal, whatever this process inherited: a job put in the background by a
+    # non-interactive shell starts with SIGINT ignored, and Python then leaves it ignored
+    print("inherited SIGINT handler:", signal.getsignal(signal.SIGINT), file=sys.stderr)  # said if the test fails
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if how == "exit":  # a handler of the user's that ends the process with sys.exit
         signal.signal(signal.SIGUSR1, lambda *_: sys.exit(143))
 
     def send() -> None:  # the signal arrives the moment the second snapshot's file is opened
         tmp = os.path.join(snaps, "snapshot-000000001.pt.tmp")
         while not os.path.exists(tmp):
-            later = os.path.isdir(snaps) and max(os.listdir(snaps), default="") >= "snapshot-000000001.pt"
-            if later and not os.path.exists(tmp):  # written while this thread waited for the GIL: a try missed
-                print("missed", flush=True)
-                os._exit(5)
             time.sleep(0.0002)
         os.kill(os.getpid(), sig)
 
@@ -138,9 +138,6 @@ def test_an_interrupt_while_a_snapshot_is_written_reaches_the_loop(tmp_path: Pat
         done = subprocess.run([sys.executable, str(script), str(tmp_path / f"run{attempt}"), str(snaps), how],
                               capture_output=True, text=True, timeout=300)
         words = done.stdout.split()
-        if done.returncode == 5 and words == ["missed"]:  # the snapshot was written before the signal could be sent
-            outcomes.append("missed")
-            continue
         assert done.returncode == 3 and words[0] == ("KeyboardInterrupt" if how == "ctrl-c" else "SystemExit"), \
             (done.stdout, done.stderr[-2000:])
         assert how == "ctrl-c" or words[1] == "143"
