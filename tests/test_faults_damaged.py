@@ -2,7 +2,8 @@
 never stops the other runs from being listed, checked or served (issue 16, item 5).
 
 A real run is recorded once; each test copies its store and damages the copy: hand-picked damage
-from the fault campaign, then a hypothesis fuzzer of column values, bit flips and truncation.
+from the fault campaign, then a hypothesis fuzzer of column values, bit flips and truncation (run in
+the tests' pool, ``tests/pool.py``, beside the module's other tests, as the module begins).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ from gradwatch.errors import DamagedStoreError
 from gradwatch.report import render
 from gradwatch.store.listing import describe_run
 from gradwatch.store.schema import DB_NAME
+
+from . import pool
 
 STATUSES = {"running", "finished", "halted", "crashed", "unknown", "damaged", "unreadable"}
 
@@ -314,25 +318,54 @@ def file_damage(draw: st.DrawFn) -> Callable[[bytes], bytes]:
 FUZZ = int(os.environ.get("GRADWATCH_FUZZ_EXAMPLES", "0"))
 
 
+def fuzz(pristine: Path) -> None:
+    """The property: any damage to a copy of ``pristine`` (column values, then bit flips or truncation of
+    the file) is read as damage or as fine, and never breaks listing, checking or serving the others."""
+
+    @settings(max_examples=FUZZ or 150, deadline=None, derandomize=not FUZZ,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(column_damage(), min_size=1, max_size=3), st.one_of(st.none(), file_damage()))
+    def any_damage_is_read_as_damage_and_never_breaks_the_others(statements: list,
+                                                                 mangle: Callable[[bytes], bytes] | None) -> None:
+        with tempfile.TemporaryDirectory() as folder:
+            root = Path(folder)
+            copy_run(pristine, root, "good")
+            bad = copy_run(pristine, root, "bad")
+            try:
+                damage(bad, *statements)
+            except (sqlite3.IntegrityError, OverflowError):
+                pass  # a damage SQLite itself refuses to write
+            if mangle is not None:
+                (bad / DB_NAME).write_bytes(mangle((bad / DB_NAME).read_bytes()))
+            assert damaged_or_fine(bad) in ("fine", "damaged", "unreadable")
+            rows = {row["run"]: row for row in (describe_run(p, root) for p in (root / "good", bad))}
+            assert rows["good"]["status"] == "finished" and rows["bad"]["status"] in STATUSES
+            judged = judge_run(str(bad), "error", None)
+            assert judged.verdict in ("pass", "fail", "error")
+            check_served(root, "bad")
+
+    any_damage_is_read_as_damage_and_never_breaks_the_others()
+
+
+@pytest.fixture(scope="module")
+def fuzzed(request: pytest.FixtureRequest, pristine: Path) -> Iterator[Future[Any] | None]:
+    """The fuzzer given to the tests' pool (two processes beside this one) as the module begins, when this
+    session runs it; its outcome to come."""
+    runs = any(getattr(item, "module", None) is request.module
+               and getattr(item, "originalname", None) == "test_any_damage_is_read_as_damage_and_never_breaks_the_others"
+               for item in request.session.items)
+    future = pool.submit(fuzz, pristine) if runs else None
+    yield future
+    if future is not None:
+        future.cancel()  # a session stopped early (-x) runs no fuzzer it no longer tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fuzz_begins(fuzzed: Future[Any] | None) -> None:
+    """Start the fuzzer with the module's first test."""
+
+
 @pytest.mark.slow
-@settings(max_examples=FUZZ or 150, deadline=None, derandomize=not FUZZ,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(st.lists(column_damage(), min_size=1, max_size=3), st.one_of(st.none(), file_damage()))
-def test_any_damage_is_read_as_damage_and_never_breaks_the_others(pristine: Path, statements: list,
-                                                                  mangle: Callable[[bytes], bytes] | None) -> None:
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
-        copy_run(pristine, root, "good")
-        bad = copy_run(pristine, root, "bad")
-        try:
-            damage(bad, *statements)
-        except (sqlite3.IntegrityError, OverflowError):
-            pass  # a damage SQLite itself refuses to write
-        if mangle is not None:
-            (bad / DB_NAME).write_bytes(mangle((bad / DB_NAME).read_bytes()))
-        assert damaged_or_fine(bad) in ("fine", "damaged", "unreadable")
-        rows = {row["run"]: row for row in (describe_run(p, root) for p in (root / "good", bad))}
-        assert rows["good"]["status"] == "finished" and rows["bad"]["status"] in STATUSES
-        judged = judge_run(str(bad), "error", None)
-        assert judged.verdict in ("pass", "fail", "error")
-        check_served(root, "bad")
+def test_any_damage_is_read_as_damage_and_never_breaks_the_others(fuzzed: Future[Any] | None) -> None:
+    assert fuzzed is not None
+    pool.result(fuzzed)  # a falsifying example is raised here, with its traceback
