@@ -198,7 +198,7 @@ def test_close_does_not_wait_for_a_reader_holding_a_transaction(tmp_path: Path) 
     try:
         start = time.monotonic()
         gw.unwatch(model)
-        assert time.monotonic() - start < 5.0, "close waited for the reader"
+        assert time.monotonic() - start < 20.0, "close waited for the reader (its busy wait is 30 s)"
     finally:
         reader.close()
     with gw.open_run(run_dir) as run:
@@ -215,7 +215,7 @@ def test_close_waits_for_nobody_with_a_reader_open_through_open_run(tmp_path: Pa
         assert run.steps >= 2
         start = time.monotonic()
         gw.unwatch(model)
-        assert time.monotonic() - start < 5.0
+        assert time.monotonic() - start < 20.0  # not the 30 s busy wait
     with gw.open_run(run_dir) as run:
         assert run.status == "finished"
     # with no reader left, the next close leaves one self-contained file, as before
