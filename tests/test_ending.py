@@ -266,8 +266,8 @@ def train(run, arm):
         trained[0] = step + 1
 
 
-def attempt(name, arm):
-    # Train in a forked process; what it left: (exit code or None if it hung, steps trained, what arm counted)
+def start(name, arm):
+    # Fork a process that trains with ``arm``; its pid
     run = os.path.join(root, name)
     pid = os.fork()
     if pid == 0:
@@ -287,22 +287,33 @@ def attempt(name, arm):
             traceback.print_exc()
         finally:
             os._exit(code)
-    for _ in range(6000):  # a hung close is a failure, not a hung test
+    return pid
+
+
+def finish(name, pid):
+    # What the forked try left: (exit code or None if it hung, steps trained, what its arm counted)
+    deadline = time.monotonic() + 60  # a hung close is a failure, not a hung test
+    while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
-        time.sleep(0.01)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        return None, 0, None
-    with open(run + ".json") as fh:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None, 0, None
+        time.sleep(0.005)
+    with open(os.path.join(root, name + ".json")) as fh:
         left = json.load(fh)
     return os.waitstatus_to_exitcode(status), left["trained"], left["counted"]
 
 
-def check(name, arm):
-    code, trained, _ = attempt(name, arm)
+def attempt(name, arm):
+    # Train in a forked process; what it left (see finish)
+    return finish(name, start(name, arm))
+
+
+def check(name, pid):
+    code, trained, _ = finish(name, pid)
     if code is None:
         print(f"{name}: the process hung as it exited", flush=True)
         return
@@ -312,6 +323,17 @@ def check(name, arm):
         err = fh.read()
     if code != 143 or ended != {"status": "exited", "code": 143} or steps < trained or err:
         print(f"{name}: exit {code}, {ended}, {steps} steps stored of {trained} trained; stderr {err!r}", flush=True)
+
+
+def check_all(tries):
+    # Each (name, arm) tried in its forked process, two at a time (the tries are independent: two cores)
+    running = []
+    for name, arm in tries:
+        running.append((name, start(name, arm)))
+        if len(running) == 2:
+            check(*running.pop(0))
+    for name, pid in running:
+        check(name, pid)
 
 
 # the first watch of a process imports what it writes with (TensorBoard, SQLite ...): done once, here
@@ -325,13 +347,11 @@ gw.unwatch(warm)
 trained = [0]
 if where == "hooks":
     _, _, kinds = attempt("count", guard.inject(None))
-    for kind in sorted(kinds):
-        check(kind, guard.inject(kind, fault=deliver))
+    check_all([(kind, guard.inject(kind, fault=deliver)) for kind in sorted(kinds)])
     print(f"tried {len(kinds)} hook kinds: {sorted(kinds)}")
 else:
     _, _, total = attempt("count", AtBytecode(0))
-    for n in range(1, total + 1):
-        check(f"bytecode-{n}", AtBytecode(n))
+    check_all([(f"bytecode-{n}", AtBytecode(n)) for n in range(1, total + 1)])
     print(f"tried {total} bytecodes")
 """
 
