@@ -1,6 +1,10 @@
 """The mlflow sink against real MLflow tracking stores: a SQLite store, and a real ``mlflow server`` on loopback.
 
 Everything the sink wrote is read back with ``MlflowClient`` and compared with the run's own store.
+
+The scripts that run unattended (the example, the training against a server that never answers) are
+started as the module begins, one after the other beside the test process, and so is the real server;
+their tests check what they printed and wrote.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import textwrap
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -300,17 +305,57 @@ print("trained", flush=True)
 """
 
 
-@pytest.mark.slow  # a Python process that imports torch and mlflow
-def test_a_tracking_server_that_never_answers_does_not_hold_training(tmp_path: Path) -> None:
+def _never_answered(cwd: Path) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """HUNG trained against a tracking server that never answers: its URI, and the completed process."""
     with socket.socket() as hole:  # accepts connections (the kernel does) and never answers
         hole.bind(("127.0.0.1", 0))
         hole.listen(64)
         uri = f"http://127.0.0.1:{hole.getsockname()[1]}"
-        script = tmp_path / "hung.py"
+        script = cwd / "hung.py"
         script.write_text(HUNG)
         # the timeout only guards the test suite against a hang: MLflow alone would wait minutes per call
-        done = subprocess.run([sys.executable, str(script), uri], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return uri, subprocess.run([sys.executable, str(script), uri], cwd=cwd, capture_output=True, text=True,
+                                   timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _example(cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "mlflow_example.py")], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+#: the scripts run unattended, by test
+UNATTENDED = {"test_a_tracking_server_that_never_answers_does_not_hold_training": _never_answered,
+              "test_the_example_runs_as_written": _example}
+#: what ``ran`` gives: by test, its script's outcome to come, and its folder
+Ran = dict[str, tuple[Future[Any], Path]]
+
+
+def _tested(request: pytest.FixtureRequest) -> set[str | None]:
+    """The names of the module's tests this session runs."""
+    return {getattr(item, "originalname", None) for item in request.session.items
+            if getattr(item, "module", None) is request.module}
+
+
+@pytest.fixture(scope="module")
+def ran(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
+    """The unattended scripts of the tests this session runs, started one after the other as the module
+    begins: their outcomes to come, and their folders."""
+    names = _tested(request)
+    with ThreadPoolExecutor(1) as runner:
+        started = {}
+        for name, script in UNATTENDED.items():
+            if name in names:
+                cwd = tmp_path_factory.mktemp(name[:40])
+                started[name] = (runner.submit(script, cwd), cwd)
+        yield started
+        for future, _ in started.values():
+            future.cancel()  # a session stopped early (-x) runs no script it no longer tests
+
+
+@pytest.mark.slow  # a Python process that imports torch and mlflow
+def test_a_tracking_server_that_never_answers_does_not_hold_training(ran: Ran) -> None:
+    future, tmp_path = ran["test_a_tracking_server_that_never_answers_does_not_hold_training"]
+    uri, done = future.result()
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "trained"
     assert f"the MLflow tracking server at {uri} is not keeping up" in done.stderr
@@ -328,29 +373,23 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``mlflow server`` on loopback (SQLite store, artifacts served by it), stopped after the module."""
+def starting_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path] | None]:
+    """``mlflow server`` on loopback (SQLite store, artifacts served by it), started as the module begins when
+    this session runs a test of it (its process, URI and folder), stopped after the module."""
+    if "test_a_real_mlflow_server_gets_the_run" not in _tested(request):
+        yield None
+        return
     root = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    log = (root / "server.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                                "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}",
-                                "--artifacts-destination", str(root / "artifacts")],
-                               cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
+    with (root / "server.log").open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port",
+                                    str(port), "--workers", "1", "--backend-store-uri",
+                                    f"sqlite:///{root / 'db.sqlite'}", "--artifacts-destination",
+                                    str(root / "artifacts")],
+                                   cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180  # a loaded machine takes tens of seconds to start it
-        while True:
-            assert process.poll() is None, (root / "server.log").read_text()
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server did not start:\n" + (root / "server.log").read_text()
-            time.sleep(0.5)
-        yield uri
+        yield process, f"http://127.0.0.1:{port}", root
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -358,7 +397,29 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        log.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _started_as_the_module_begins(ran: Ran, starting_server: Any) -> None:
+    """The unattended scripts and the real server start with the module's first test."""
+
+
+@pytest.fixture(scope="module")
+def server(starting_server: tuple[subprocess.Popen[bytes], str, Path] | None) -> str:
+    """The real server's URI, once it answers."""
+    assert starting_server is not None
+    process, uri, root = starting_server
+    deadline = time.monotonic() + 180  # a loaded machine takes tens of seconds to start it
+    while True:
+        assert process.poll() is None, (root / "server.log").read_text()
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return uri
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "mlflow server did not start:\n" + (root / "server.log").read_text()
+        time.sleep(0.5)
 
 
 @pytest.mark.slow  # starts a real mlflow server
@@ -392,9 +453,9 @@ class TestMLflowSinkContract(SinkContract):
 
 # ----------------------------------------------------------------------------------------------- the example
 @pytest.mark.slow  # runs the example as a script
-def test_the_example_runs_as_written(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "mlflow_example.py")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_the_example_runs_as_written(ran: Ran) -> None:
+    future, tmp_path = ran["test_the_example_runs_as_written"]
+    done = future.result()
     assert done.returncode == 0, done.stderr
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (found,) = client.search_runs([client.get_experiment_by_name("gradwatch-example").experiment_id])
