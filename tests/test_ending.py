@@ -2,6 +2,8 @@
 
 Each training runs in a process of its own, as a cluster job does, and is ended the way a cluster or
 a script ends one: a SIGTERM with or without a handler of the user's, ``sys.exit(1)``, ``sys.exit("msg")``.
+The trainings the tests read are started as the module begins, one after the other beside the test process,
+each in a folder of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -128,13 +133,54 @@ def _train(tmp_path: Path, mode: str, *, terminate: bool, where: str = "module")
     return proc.returncode, "".join(lines) + out, err, run
 
 
+#: the trainings the tests read, by test: (mode, terminate, where) of ``_train``, from the test's parameters
+TRAININGS: dict[str, Callable[[dict[str, Any]], tuple[str, bool, str]]] = {
+    "test_sigterm_without_a_handler_closes_the_run_as_terminated_and_dies_by_the_signal":
+        lambda params: ("plain", True, "module"),
+    "test_sigterm_inside_a_hook_of_gradwatch_closes_the_run_once_the_hook_returns":
+        lambda params: ("inside_hook", False, "module"),
+    "test_sigterm_calls_the_users_handler_installed_before_watch": lambda params: ("handler_before", True, "module"),
+    "test_a_handler_installed_after_watch_decides_and_its_exit_code_is_recorded":
+        lambda params: ("handler_after", True, params["where"]),
+    "test_a_framework_handler_that_chains_to_gradwatch_keeps_the_process_alive":
+        lambda params: ("graceful_after", True, "module"),
+    "test_sys_exit_records_its_code": lambda params: (params["mode"], False, params["where"]),
+}
+#: what ``trained`` gives: by (mode, terminate, where), what ``_train`` returns, to come
+Trained = dict[tuple[str, bool, str], Future[tuple[int, str, str, Path]]]
+
+
+@pytest.fixture(scope="module")
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
+    """The trainings of the tests this session runs, started one after the other as the module begins (beside
+    the test process), each in a folder of its own: their outcomes to come."""
+    with ThreadPoolExecutor(1) as runner:
+        started: Trained = {}
+        for item in request.session.items:
+            name = getattr(item, "originalname", None)
+            if getattr(item, "module", None) is request.module and name in TRAININGS:
+                args = TRAININGS[name](item.callspec.params if hasattr(item, "callspec") else {})
+                if args not in started:
+                    mode, terminate, where = args
+                    started[args] = runner.submit(_train, tmp_path_factory.mktemp(f"{mode}-{where}"), mode,
+                                                  terminate=terminate, where=where)
+        yield started
+        for future in started.values():
+            future.cancel()  # a session stopped early (-x) runs no training it no longer tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trainings_begin(trained: Trained) -> None:
+    """Start the trainings with the module's first test."""
+
+
 def _last_step(out: str) -> int:
     return max(int(line.split()[1]) for line in out.splitlines() if line.startswith("step "))
 
 
 @pytest.mark.slow
-def test_sigterm_without_a_handler_closes_the_run_as_terminated_and_dies_by_the_signal(tmp_path: Path) -> None:
-    code, out, err, run = _train(tmp_path, "plain", terminate=True)
+def test_sigterm_without_a_handler_closes_the_run_as_terminated_and_dies_by_the_signal(trained: Trained) -> None:
+    code, out, err, run = trained[("plain", True, "module")].result()
     assert code == -signal.SIGTERM, f"the process ends by SIGTERM, as without gradwatch ({code}): {err}"
     assert "Traceback" not in err
     with gw.open_run(run) as r:
@@ -154,15 +200,15 @@ def test_sigterm_without_a_handler_closes_the_run_as_terminated_and_dies_by_the_
     assert gradwatch("check", str(run), "--accept", "exited").returncode == 1
     bad = gradwatch("check", str(run), "--accept", "preempted")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'preempted'" in bad.stderr
-    listed = json.loads(gradwatch("ls", str(tmp_path), "--format", "json").stdout)
+    listed = json.loads(gradwatch("ls", str(run.parent), "--format", "json").stdout)  # the training's folder
     assert [(row["status"], row["status_detail"]) for row in listed] == [
         ("terminated", "terminated (signal 15, SIGTERM)")]
-    assert "terminated (signal 15, SIGTERM)" in gradwatch("ls", str(tmp_path)).stdout
+    assert "terminated (signal 15, SIGTERM)" in gradwatch("ls", str(run.parent)).stdout
 
 
 @pytest.mark.slow
-def test_sigterm_inside_a_hook_of_gradwatch_closes_the_run_once_the_hook_returns(tmp_path: Path) -> None:
-    code, out, err, run = _train(tmp_path, "inside_hook", terminate=False)
+def test_sigterm_inside_a_hook_of_gradwatch_closes_the_run_once_the_hook_returns(trained: Trained) -> None:
+    code, out, err, run = trained[("inside_hook", False, "module")].result()
     assert code == -signal.SIGTERM, err
     assert _last_step(out) == 29, "the step the signal stopped did not reach the loop"
     with gw.open_run(run) as r:
@@ -171,8 +217,8 @@ def test_sigterm_inside_a_hook_of_gradwatch_closes_the_run_once_the_hook_returns
 
 
 @pytest.mark.slow
-def test_sigterm_calls_the_users_handler_installed_before_watch(tmp_path: Path) -> None:
-    code, out, err, run = _train(tmp_path, "handler_before", terminate=True)
+def test_sigterm_calls_the_users_handler_installed_before_watch(trained: Trained) -> None:
+    code, out, err, run = trained[("handler_before", True, "module")].result()
     assert "user handler 15" in out
     assert code == 143, err
     with gw.open_run(run) as r:
@@ -182,10 +228,10 @@ def test_sigterm_calls_the_users_handler_installed_before_watch(tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["module", "main"])
-def test_a_handler_installed_after_watch_decides_and_its_exit_code_is_recorded(tmp_path: Path, where: str) -> None:
+def test_a_handler_installed_after_watch_decides_and_its_exit_code_is_recorded(trained: Trained, where: str) -> None:
     """Also with the model a local of ``main()``: freed as the handler's ``SystemExit`` unwinds, before
     ``atexit``, its run closes as the exit ends it (it read ``finished``)."""
-    code, out, err, run = _train(tmp_path, "handler_after", terminate=True, where=where)
+    code, out, err, run = trained[("handler_after", True, where)].result()
     assert "user handler 15" in out and code == 143, err
     with gw.open_run(run) as r:
         assert r.ended == {"status": "exited", "code": 143}
@@ -381,8 +427,8 @@ def test_a_handler_exit_anywhere_inside_a_hook_is_recorded_as_exited_with_every_
 
 
 @pytest.mark.slow
-def test_a_framework_handler_that_chains_to_gradwatch_keeps_the_process_alive(tmp_path: Path) -> None:
-    code, out, err, run = _train(tmp_path, "graceful_after", terminate=True)
+def test_a_framework_handler_that_chains_to_gradwatch_keeps_the_process_alive(trained: Trained) -> None:
+    code, out, err, run = trained[("graceful_after", True, "module")].result()
     assert "stopped gracefully" in out, "gradwatch's handler, called by the later one, did not end the process"
     assert code == 0, err
     with gw.open_run(run) as r:
@@ -399,8 +445,8 @@ def test_a_framework_handler_that_chains_to_gradwatch_keeps_the_process_alive(tm
     ("exit_caught", "module", {"status": "finished"}),
     ("exit_caught", "main", {"status": "finished"}),  # freed as main() returns after the caught exit: finished
 ])
-def test_sys_exit_records_its_code(tmp_path: Path, mode: str, where: str, ended: dict[str, object]) -> None:
-    code, out, err, run = _train(tmp_path, mode, terminate=False, where=where)
+def test_sys_exit_records_its_code(trained: Trained, mode: str, where: str, ended: dict[str, object]) -> None:
+    code, out, err, run = trained[(mode, False, where)].result()
     assert code == ended.get("code", 0), err
     with gw.open_run(run) as r:
         assert r.ended == ended
