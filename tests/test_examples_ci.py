@@ -5,7 +5,9 @@ The example runs as a separate pytest session (``python -m pytest`` in a subproc
 of the example's directory, so that its own ``pyproject.toml`` is the ini file and nothing is
 written into the checkout), which loads the plugin through the installed ``pytest11`` entry point
 as a user's session would; ``PYTHONPATH`` points at this checkout so that it is this checkout's
-gradwatch that runs.
+gradwatch that runs. The example's sessions (healthy, broken) and the workflow's install from a git URL
+are started as the module begins, two at a time beside the test process; the tests check what they
+printed and wrote.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,16 +63,47 @@ def _project(where: Path) -> Path:
     return project
 
 
-@pytest.fixture(scope="module")
-def healthy(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+def _healthy(where: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     """The example's smoke tests, run once from the example's directory with their runs kept."""
-    where = tmp_path_factory.mktemp("example")
     runs = where / "runs"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "tests", "-q", "--gradwatch-runs", str(runs)],
         cwd=_project(where), env=_env(), capture_output=True, text=True, timeout=300,
     )
     return result, runs
+
+
+@pytest.fixture(scope="module")
+def started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, Future[Any]]]:
+    """What the tests this session runs read, started as the module begins, two at a time beside the test
+    process: by test, its outcome to come."""
+    names = {getattr(item, "originalname", None) for item in request.session.items
+             if getattr(item, "module", None) is request.module}
+    with ThreadPoolExecutor(2) as runner:
+        futures: dict[str, Future[Any]] = {}
+        for name, function in STARTED.items():
+            if name in names or (function is _healthy and names & HEALTHY):
+                futures[name] = runner.submit(function, tmp_path_factory.mktemp(name.removeprefix("test_")[:40]))
+        yield futures
+        for future in futures.values():
+            future.cancel()  # a session stopped early (-x) runs nothing it no longer tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _started_as_the_module_begins(started: dict[str, Future[Any]]) -> None:
+    """Start them with the module's first test."""
+
+
+@pytest.fixture(scope="module")
+def healthy(started: dict[str, Future[Any]]) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The example's smoke tests, run once from the example's directory with their runs kept."""
+    result: tuple[subprocess.CompletedProcess[str], Path] = started["healthy"].result()
+    return result
+
+
+#: the tests that read the healthy session
+HEALTHY = {"test_smoke_example_passes_and_keeps_readable_runs", "test_workflow_gate_passes_on_the_healthy_runs"}
 
 
 def test_smoke_example_passes_and_keeps_readable_runs(healthy: tuple[subprocess.CompletedProcess[str], Path]) -> None:
@@ -91,7 +127,9 @@ def test_workflow_gate_passes_on_the_healthy_runs(healthy: tuple[subprocess.Comp
     assert "::error" not in checked.stdout and "::warning" not in checked.stdout
 
 
-def test_broken_training_fails_the_smoke_test_and_the_gate(tmp_path: Path) -> None:
+def _broken(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    """The example with a learning rate that blows the gradients up at step 3: its project, the workflow's tests
+    run in it, and its gate run after them."""
     project = _project(tmp_path)
     source = project / "smoke_train.py"
     text = source.read_text()
@@ -101,13 +139,16 @@ def test_broken_training_fails_the_smoke_test_and_the_gate(tmp_path: Path) -> No
     commands = _workflow_commands()
     (tests,) = [c for c in commands if "-m pytest" in c]
     (gate,) = [c for c in commands if c.startswith("gradwatch check")]
-    result = _shell(tests, cwd=project)
+    return project, _shell(tests, cwd=project), _shell(gate, cwd=project)
+
+
+def test_broken_training_fails_the_smoke_test_and_the_gate(started: dict[str, Future[Any]]) -> None:
+    project, result, checked = started["test_broken_training_fails_the_smoke_test_and_the_gate"].result()
     assert result.returncode == 1, result.stdout + result.stderr
     assert "2 failed" in result.stdout  # each on its own: the loss assertion, and the halt after 20 skipped NaN steps
     assert "gradwatch halted training" in result.stdout, result.stdout
     assert len(list((project / "runs").iterdir())) == 2
 
-    checked = _shell(gate, cwd=project)
     assert checked.returncode == 1, checked.stdout + checked.stderr
     # the README's story: the learning rate named at step 0, then the gradients explode and turn NaN
     assert re.search(r"^::warning title=gradwatch learning_rate at fc2%2C step 0 of runs/.+::", checked.stdout,
@@ -167,13 +208,18 @@ def test_workflow_installs_tests_gates_and_uploads() -> None:
     assert _workflow_commands() == [runs[torch], runs[package], runs[tests], runs[gate]]  # what the tests ran
 
 
-def test_workflow_installs_gradwatch_from_a_git_url_and_its_steps_pass(tmp_path: Path) -> None:
+def test_workflow_installs_gradwatch_from_a_git_url_and_its_steps_pass(started: dict[str, Future[Any]]) -> None:
     """The workflow's own install command, with GRADWATCH a git URL of this repository, in a fresh venv.
 
     The venv sees the packages the tests run with (torch, pytest, setuptools, wheel; see
     tests/venvs.py) and pip is told by its environment, not by the command, to use no index and to
     build without isolation: nothing is downloaded.
     """
+    started["test_workflow_installs_gradwatch_from_a_git_url_and_its_steps_pass"].result()  # fails as it failed
+
+
+def _installed_from_a_git_url(tmp_path: Path) -> None:
+    """The test above, started as the module begins: each step asserted as it goes."""
     clone = tmp_path / "gradwatch-clone"
     # a full clone: pip's own clone of a shallow one loops ("shallow roots are not allowed to be updated")
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, capture_output=True, timeout=300)
@@ -199,3 +245,12 @@ def test_workflow_installs_gradwatch_from_a_git_url_and_its_steps_pass(tmp_path:
         result = subprocess.run(["bash", "-c", command], cwd=project, env=env, capture_output=True, text=True,
                                 timeout=300)
         assert result.returncode == 0, command + "\n" + result.stdout + result.stderr
+
+
+#: what the tests read, by test (``healthy``: the tests of HEALTHY): the function run for them as the module
+#: begins, given a folder of its own
+STARTED: dict[str, Callable[[Path], Any]] = {
+    "healthy": _healthy,
+    "test_broken_training_fails_the_smoke_test_and_the_gate": _broken,
+    "test_workflow_installs_gradwatch_from_a_git_url_and_its_steps_pass": _installed_from_a_git_url,
+}
