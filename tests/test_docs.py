@@ -1,6 +1,10 @@
 """The documentation runs as written and stays true: the README's two commands and its quickstart
 (verbatim, twice), every docs code block marked to run, every config example, and every finding kind,
-detector setting, option, action and command-line option documented on its page."""
+detector setting, option, action and command-line option documented on its page.
+
+The scripts (the quickstart twice, the runnable blocks, the tutorial) are started as the module begins,
+two at a time beside the test process; their tests check what they printed and wrote.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import nn
@@ -60,13 +67,72 @@ def quickstart() -> str:
     return found.group(1)
 
 
-@pytest.mark.slow  # the quickstart twice, each in its own interpreter
-def test_readme_quickstart_runs_verbatim_twice(tmp_path: Path) -> None:
-    script = tmp_path / "quickstart.py"
+def _quickstart_twice(where: Path) -> list[subprocess.CompletedProcess[str]]:
+    """The README's quickstart run twice in ``where``, one after the other: the processes."""
+    script = where / "quickstart.py"
     script.write_text(quickstart(), encoding="utf-8")
-    for attempt in (1, 2):  # the second run replaces the first one's run (overwrite=True)
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env(), capture_output=True,
-                              text=True, timeout=600)
+    return [subprocess.run([sys.executable, str(script)], cwd=where, env=env(), capture_output=True, text=True,
+                           timeout=600) for _ in (1, 2)]
+
+
+def _block(name: str, code: str) -> Callable[[Path], subprocess.CompletedProcess[str]]:
+    """A docs block run as a script in the folder given: its process."""
+
+    def run(where: Path) -> subprocess.CompletedProcess[str]:
+        script = where / f"{name}.py"
+        script.write_text(code, encoding="utf-8")
+        return subprocess.run([sys.executable, str(script)], cwd=where, env=env(), capture_output=True, text=True,
+                              timeout=600)
+
+    return run
+
+
+def _tutorial(where: Path) -> dict[str, str]:
+    """The tutorial's outputs as it prints them, run in ``where``."""
+    outputs: dict[str, str] = _hook().run_tutorial(where)
+    return outputs
+
+
+#: what ``started`` gives: by script, its outcome to come and its folder
+Started = dict[str, tuple[Future[Any], Path]]
+
+
+@pytest.fixture(scope="module")
+def started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
+    """The scripts of the tests this session runs, started as the module begins, two at a time beside the test
+    process, each in a folder of its own: their outcomes to come."""
+    scripts: dict[str, Callable[[Path], Any]] = {}
+    for item in request.session.items:
+        name = getattr(item, "originalname", None)
+        if getattr(item, "module", None) is not request.module:
+            continue
+        if name == "test_readme_quickstart_runs_verbatim_twice":
+            scripts["quickstart"] = _quickstart_twice
+        elif name == "test_docs_block_runs":
+            block = item.callspec.params["name"]  # type: ignore[attr-defined]
+            scripts[f"block-{block}"] = _block(block, item.callspec.params["code"])  # type: ignore[attr-defined]
+        elif name == "test_the_tutorials_outputs_in_its_source_are_what_it_prints":
+            scripts["tutorial"] = _tutorial
+    with ThreadPoolExecutor(2) as runner:
+        futures: Started = {}
+        for key in sorted(scripts, key=lambda key: key != "tutorial"):  # the longest first
+            script = scripts[key]
+            where = tmp_path_factory.mktemp(key)
+            futures[key] = (runner.submit(script, where), where)
+        yield futures
+        for future, _ in futures.values():
+            future.cancel()  # a session stopped early (-x) runs no script it no longer tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _started_as_the_module_begins(started: Started) -> None:
+    """Start the scripts with the module's first test."""
+
+
+@pytest.mark.slow  # the quickstart twice, each in its own interpreter
+def test_readme_quickstart_runs_verbatim_twice(started: Started) -> None:
+    future, tmp_path = started["quickstart"]
+    for attempt, done in zip((1, 2), future.result()):  # the second run replaces the first one's (overwrite=True)
         assert done.returncode == 0, f"attempt {attempt}:\n{done.stdout}\n{done.stderr}"
         lines = done.stdout.splitlines()
         assert lines[0] == "Run('runs/exp1', steps=192, status='finished')", done.stdout  # as its comments say
@@ -121,11 +187,9 @@ def test_there_are_runnable_blocks() -> None:
 
 @pytest.mark.slow  # each block trains a small model in its own interpreter
 @pytest.mark.parametrize(("name", "code"), RUN, ids=[n for n, _ in RUN])
-def test_docs_block_runs(name: str, code: str, tmp_path: Path) -> None:
-    script = tmp_path / f"{name}.py"
-    script.write_text(code, encoding="utf-8")
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          timeout=600)
+def test_docs_block_runs(name: str, code: str, started: Started) -> None:
+    future, _ = started[f"block-{name}"]
+    done = future.result()
     assert done.returncode == 0, f"docs block {name}:\n{code}\n{done.stdout}\n{done.stderr}"
 
 
@@ -274,8 +338,9 @@ def test_the_tutorials_source_shows_its_outputs_and_pictures() -> None:
 
 
 @pytest.mark.slow  # runs the tutorial's script and commands
-def test_the_tutorials_outputs_in_its_source_are_what_it_prints(tmp_path: Path) -> None:
+def test_the_tutorials_outputs_in_its_source_are_what_it_prints(started: Started) -> None:
     """What the page shows is what the tutorial prints now (`python docs/_hooks/generated.py` writes it)."""
     hook = _hook()
     shown = hook.shown_outputs((DOCS / "tutorial.md").read_text(encoding="utf-8"))
-    assert hook.run_tutorial(tmp_path) == shown
+    future, _ = started["tutorial"]
+    assert future.result() == shown
