@@ -15,6 +15,8 @@ import sys
 import textwrap
 import threading
 import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -224,14 +226,45 @@ _KILLED_AT_PRINT = textwrap.dedent("""
 """)
 
 
+def _killed_at_print(where: Path, rule: str) -> subprocess.CompletedProcess[str]:
+    script = where / "train.py"
+    script.write_text(_KILLED_AT_PRINT)
+    return subprocess.run([sys.executable, str(script), str(where / "run"), rule], capture_output=True, text=True,
+                          timeout=300, cwd=where)
+
+
+#: what ``killed`` gives: by rule, the killed training's process to come, and its folder
+Killed = dict[str, tuple[Future[subprocess.CompletedProcess[str]], Path]]
+
+
+@pytest.fixture(scope="module")
+def killed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Killed]:
+    """The killed trainings of the rules this session tests, started together as the module begins (two
+    processes beside the test process), each in a folder of its own."""
+    with ThreadPoolExecutor(2) as runner:
+        started: Killed = {}
+        for item in request.session.items:
+            if (getattr(item, "module", None) is request.module and getattr(item, "originalname", None)
+                    == "test_a_finding_on_the_console_is_in_the_store_when_the_process_is_killed"):
+                rule = item.callspec.params["rule"]  # type: ignore[attr-defined]
+                where = tmp_path_factory.mktemp(f"killed-{rule}")
+                started[rule] = (runner.submit(_killed_at_print, where, rule), where)
+        yield started
+        for future, _ in started.values():
+            future.cancel()  # a session stopped early (-x) runs no training it no longer tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _killed_as_the_module_begins(killed: Killed) -> None:
+    """Start the killed trainings with the module's first test."""
+
+
 @pytest.mark.parametrize("rule", ["skip", "rollback"])
 @pytest.mark.slow  # a training subprocess, killed
-def test_a_finding_on_the_console_is_in_the_store_when_the_process_is_killed(tmp_path: Path, rule: str) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(_KILLED_AT_PRINT)
+def test_a_finding_on_the_console_is_in_the_store_when_the_process_is_killed(killed: Killed, rule: str) -> None:
+    future, tmp_path = killed[rule]
+    proc = future.result()
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(script), str(run), rule], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "step 6 nonfinite" in proc.stderr  # the line was printed
     with gw.open_run(run) as opened:
