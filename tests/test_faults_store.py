@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -133,14 +135,45 @@ CREATING = textwrap.dedent(
 )
 
 
+def _killed_creating(where: Path, trigger: str) -> subprocess.CompletedProcess[str]:
+    script = where / "create.py"
+    script.write_text(CREATING)
+    return subprocess.run([sys.executable, str(script), str(where / "r"), trigger], capture_output=True, text=True,
+                          timeout=300)
+
+
+#: what ``creations`` gives: by trigger, the killed creation's process to come, and its folder
+Creations = dict[str, tuple[Future[subprocess.CompletedProcess[str]], Path]]
+
+
+@pytest.fixture(scope="module")
+def creations(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Creations]:
+    """The killed creations of the triggers this session tests, started as the module begins, two at a time
+    beside the test process, each in a folder of its own."""
+    with ThreadPoolExecutor(2) as runner:
+        started: Creations = {}
+        for item in request.session.items:
+            if (getattr(item, "module", None) is request.module and getattr(item, "originalname", None)
+                    == "test_a_kill_while_the_store_is_created_leaves_the_path_free"):
+                trigger = item.callspec.params["trigger"]  # type: ignore[attr-defined]
+                where = tmp_path_factory.mktemp("creation")
+                started[trigger] = (runner.submit(_killed_creating, where, trigger), where)
+        yield started
+        for future, _ in started.values():
+            future.cancel()  # a session stopped early (-x) runs no creation it no longer tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _creations_begin(creations: Creations) -> None:
+    """Start the killed creations with the module's first test."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("trigger", ["PRAGMA PAGE_SIZE", "CREATE TABLE", "INSERT OR REPLACE INTO META", "COMMIT"])
-def test_a_kill_while_the_store_is_created_leaves_the_path_free(tmp_path: Path, trigger: str) -> None:
+def test_a_kill_while_the_store_is_created_leaves_the_path_free(creations: Creations, trigger: str) -> None:
+    future, tmp_path = creations[trigger]
     run_dir = tmp_path / "r"
-    script = tmp_path / "create.py"
-    script.write_text(CREATING)
-    done = subprocess.run([sys.executable, str(script), str(run_dir), trigger], capture_output=True, text=True,
-                          timeout=300)
+    done = future.result()
     assert done.returncode == -signal.SIGKILL, (done.stdout, done.stderr)
     checked = cli("check", str(run_dir))
     assert checked.returncode == 2 and "corrupted" not in checked.stderr, checked.stderr
