@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +221,12 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
                           env={"COLUMNS": "300", "PATH": "/usr/bin:/bin"})
 
 
+def clis(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """Each command's ``cli`` (they only read the runs), two at a time: the processes, in order."""
+    with ThreadPoolExecutor(2) as runner:
+        return list(runner.map(lambda args: cli(*args), commands))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["meta-json", "findings-json", "bad-utf8-meta", "meta-null", "status-json"])
 def test_the_cli_reports_a_damaged_run_in_one_line_and_lists_the_others(pristine: Path, tmp_path: Path,
@@ -228,19 +234,18 @@ def test_the_cli_reports_a_damaged_run_in_one_line_and_lists_the_others(pristine
     good = copy_run(pristine, tmp_path, "good")
     bad = copy_run(pristine, tmp_path, "bad")
     damage(bad, *CASES[case])
-    for args in (("check", str(bad)), ("report", str(bad), "-o", str(tmp_path / "r.html"))):
-        done = cli(*args)
+    failing = (("check", str(bad)), ("report", str(bad), "-o", str(tmp_path / "r.html")))
+    *done_failing, both, listed, text = clis(*failing, ("check", str(good), str(bad), "--format", "json"),
+                                             ("ls", str(tmp_path), "--format", "json"), ("ls", str(tmp_path)))
+    for args, done in zip(failing, done_failing):
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert done.stderr.startswith("gradwatch: error: the run store ") and "is damaged" in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
-    both = cli("check", str(good), str(bad), "--format", "json")
     assert both.returncode == 2
     assert [r["verdict"] for r in json.loads(both.stdout)] == ["fail", "error"], "the readable run is still judged"
-    listed = cli("ls", str(tmp_path), "--format", "json")
     assert listed.returncode == 0, listed.stderr
     rows = {r["run"]: r for r in json.loads(listed.stdout)}
     assert rows["good"]["status"] == "finished" and rows["bad"]["status"] == "damaged"
-    text = cli("ls", str(tmp_path))
     assert text.returncode == 0 and "damaged" in text.stdout and "good" in text.stdout
 
 
@@ -251,9 +256,9 @@ def test_check_and_report_give_one_verdict_on_a_badly_packed_vector(pristine: Pa
     bad = copy_run(pristine, tmp_path, "bad")
     damage(bad, *CASES[case])
     said = []
-    for args in (("check", str(bad)), ("check", str(bad), "--format", "json"),
-                 ("report", str(bad), "-o", str(tmp_path / "r.html"))):
-        done = cli(*args)
+    commands = (("check", str(bad)), ("check", str(bad), "--format", "json"),
+                ("report", str(bad), "-o", str(tmp_path / "r.html")))
+    for args, done in zip(commands, clis(*commands)):
         assert done.returncode == 2, (args, done.stdout, done.stderr)  # check passed it (exit 0), report did not
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
         said.append(done.stderr)
@@ -351,8 +356,8 @@ def fuzz(pristine: Path) -> None:
 def fuzzed(request: pytest.FixtureRequest, pristine: Path) -> Iterator[Future[Any] | None]:
     """The fuzzer given to the tests' pool (two processes beside this one) as the module begins, when this
     session runs it; its outcome to come."""
-    runs = any(getattr(item, "module", None) is request.module
-               and getattr(item, "originalname", None) == "test_any_damage_is_read_as_damage_and_never_breaks_the_others"
+    test = "test_any_damage_is_read_as_damage_and_never_breaks_the_others"
+    runs = any(getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == test
                for item in request.session.items)
     future = pool.submit(fuzz, pristine) if runs else None
     yield future
