@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -326,11 +327,40 @@ class TestWandbSink(SinkContract):
 
 
 # ------------------------------------------------------------------------------------------ the example
-@pytest.mark.slow  # runs the example in its own process
-def test_the_wandb_example_runs_as_written(tmp_path: Path) -> None:
+def _example(where: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # the example's own default: offline
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "wandb_example.py"), "--steps", "150"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "wandb_example.py"), "--steps", "150"],
+                          cwd=where, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def example(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[Future[subprocess.CompletedProcess[str]], Path] | None]:
+    """The example, started as the module begins (beside the test process) when this session runs its test:
+    its process to come, and its folder."""
+    if not any(getattr(item, "module", None) is request.module
+               and getattr(item, "originalname", None) == "test_the_wandb_example_runs_as_written"
+               for item in request.session.items):
+        yield None
+        return
+    where = tmp_path_factory.mktemp("example")
+    with ThreadPoolExecutor(1) as runner:
+        future = runner.submit(_example, where)
+        yield future, where
+        future.cancel()  # a session stopped early (-x) runs no example it no longer tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _example_begins(example: Any) -> None:
+    """Start the example with the module's first test."""
+
+
+@pytest.mark.slow  # runs the example in its own process
+def test_the_wandb_example_runs_as_written(example: tuple[Future[subprocess.CompletedProcess[str]], Path] | None
+                                           ) -> None:
+    assert example is not None
+    future, tmp_path = example
+    done = future.result()
     assert done.returncode == 0, done.stderr
     assert "verdict: fail | status: finished" in done.stdout
     (found,) = offline_runs(tmp_path)
