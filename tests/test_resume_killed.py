@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,6 @@ def _python(script: Path, run: Path, ckpt: Path, total: int, pause_after: int, p
 
 
 def test_a_killed_run_resumed_from_its_checkpoint_reads_as_one_run(tmp_path: Path) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     script, run, ckpt = tmp_path / "train.py", tmp_path / "runs" / "exp", tmp_path / "ckpt.pt"
     script.write_text(SCRIPT)
 
@@ -90,6 +89,22 @@ def test_a_killed_run_resumed_from_its_checkpoint_reads_as_one_run(tmp_path: Pat
     second = _python(script, run, ckpt, 40, -1, -1, tmp_path)
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0 and out.endswith("done\n"), err
+    with ThreadPoolExecutor(2) as commands:  # check and report read the run: started now, beside the reads below
+        check_json = commands.submit(subprocess.run, [sys.executable, "-m", "gradwatch", "check", str(run), "--format",
+                                                      "json"], capture_output=True, text=True, cwd=tmp_path)
+        check_text = commands.submit(subprocess.run, [sys.executable, "-m", "gradwatch", "check", str(run)],
+                                     capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
+        reported = commands.submit(subprocess.run, [sys.executable, "-m", "gradwatch", "report", str(run), "-o",
+                                                    str(tmp_path / "r.html")], capture_output=True, text=True,
+                                   cwd=tmp_path)
+        _read_back(run, tmp_path, check_json, check_text, reported)
+
+
+def _read_back(run: Path, tmp_path: Path, check_json: Future[subprocess.CompletedProcess[str]],
+               check_text: Future[subprocess.CompletedProcess[str]],
+               reported: Future[subprocess.CompletedProcess[str]]) -> None:
+    """The resumed run read back: by open_run, check (JSON and text), the report and TensorBoard's readers."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # open_run: one continuous run, the restart marked, the killed process's steps 20..23 kept aside
     with gw.open_run(run) as resumed:
@@ -111,20 +126,17 @@ def test_a_killed_run_resumed_from_its_checkpoint_reads_as_one_run(tmp_path: Pat
         expected = loss.to_numpy()
 
     # check: passes (the NaN was superseded), and says where the run resumed
-    check = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run), "--format", "json"],
-                           capture_output=True, text=True, cwd=tmp_path)
+    check = check_json.result()
     assert check.returncode == 0, check.stdout + check.stderr
     verdict = json.loads(check.stdout)
     assert verdict["verdict"] == "pass" and verdict["steps"] == 40 and verdict["findings"] == []
     assert verdict["restarts"] == [{"step": 20, "superseded": 4, "previous_status": "running",
                                     "layout_changed": False}]
-    text = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run)], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
+    text = check_text.result()
     assert "40 steps, finished, resumed at step 20 (4 steps of the earlier process superseded)" in text.stdout
 
     # the report: the restart in its facts and a "resumed" line on its timeline
-    report = subprocess.run([sys.executable, "-m", "gradwatch", "report", str(run), "-o", str(tmp_path / "r.html")],
-                            capture_output=True, text=True, cwd=tmp_path)
+    report = reported.result()
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "r.html").read_text(encoding="utf-8")
     assert "at step 20 (4 earlier steps superseded)" in page and '"text":"resumed"' in page
