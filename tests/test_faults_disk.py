@@ -18,6 +18,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,13 @@ def _printed(err: str) -> list[tuple[int, str, bool]]:
 
 
 def _check_json(run: Path) -> tuple[int, dict[str, Any], str]:
-    done = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run), "--format", "json"],
-                          capture_output=True, text=True, timeout=120)
-    text = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    """``gradwatch check`` of the run, as JSON and as text (the two read it at once)."""
+    with ThreadPoolExecutor(2) as commands:
+        json_check = commands.submit(subprocess.run, [sys.executable, "-m", "gradwatch", "check", str(run),
+                                                      "--format", "json"], capture_output=True, text=True, timeout=120)
+        text = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run)],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+        done = json_check.result()
     return done.returncode, json.loads(done.stdout), text.stdout
 
 
