@@ -6,13 +6,16 @@ with dropout (or, with a key padding mask, written out by hand: mask, softmax, d
 MLP, a head tied to the token embedding, ``forward(idx, targets)`` returning ``(logits, loss)``,
 AdamW, and an evaluation pass under ``model.eval()`` and ``torch.no_grad()`` every few steps.
 It is watched with the default options (origin tracking on) and takes activation statistics on
-sampled steps, where the leaf modules' hooks run.
+sampled steps, where the leaf modules' hooks run. The compiled trainings (each compiled anew, its graph
+breaks counted from zero) are given to the tests' pool (``tests/pool.py``) as the module begins; the
+eager runs they are compared with train in the test process.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import gradwatch as gw
+
+from . import pool
 
 pytestmark = pytest.mark.slow  # each test compiles a GPT (forward, backward, an evaluation graph)
 
@@ -157,42 +162,88 @@ def findings(run: Path) -> list[tuple[str, int, str]]:
     return [(f["kind"], int(f["step"]), f["layer"]) for f in frame.to_dict("records") if f["severity"] != "info"]
 
 
+def compiled_training(order: str, run: Path, options: dict[str, Any]) -> tuple[list[float], dict[str, int], int]:
+    """``train(order, run, **options)`` compiled anew, its graph breaks counted from zero (in the tests' pool):
+    the losses, the graph breaks by reason, and the graphs compiled."""
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        losses = train(order, run, **options)
+        return losses, breaks(), counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+
+
+#: the compiled training of each test (in each order): ``train``'s options
+COMPILED: dict[str, dict[str, Any]] = {
+    "test_no_graph_break_on_a_gpt_trainer": {"bf16": True, "sample_every": 2},
+    "test_a_nan_under_compile_is_found_where_eager_finds_it": {"steps": 7, "pad_at": 4},
+    "test_an_exploding_step_under_compile_is_found_where_eager_finds_it": {"steps": 9, "scale_at": 6,
+                                                                           "backend": "eager"},
+}
+#: what ``compiled`` gives: by (test, order), the compiled training's outcome to come, and its run
+Compiled = dict[tuple[str, str], tuple[Future[Any], Path]]
+
+
+@pytest.fixture(scope="module")
+def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compiled]:
+    """The compiled trainings of the tests this session runs, given to the tests' pool (two processes beside
+    this one) as the module begins."""
+    futures: Compiled = {}
+    for item in request.session.items:
+        name = getattr(item, "originalname", None)
+        if getattr(item, "module", None) is request.module and name in COMPILED:
+            order = item.callspec.params["order"]  # type: ignore[attr-defined]
+            run = tmp_path_factory.mktemp("compiled") / order
+            futures[(name, order)] = (pool.submit(compiled_training, order, run, COMPILED[name]), run)
+    yield futures
+    for future, _ in futures.values():
+        future.cancel()  # a session stopped early (-x) trains nothing it no longer tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_as_the_module_begins(compiled: Compiled) -> None:
+    """Start the compiled trainings with the module's first test."""
+
+
 @pytest.mark.parametrize("order", ORDERS)
-def test_no_graph_break_on_a_gpt_trainer(tmp_path: Path, order: str) -> None:
+def test_no_graph_break_on_a_gpt_trainer(tmp_path: Path, order: str, compiled: Compiled) -> None:
     """Default options, bf16 autocast, three sampled steps (leaf hooks on), an evaluation pass: 0 breaks,
     and a healthy run stays as quiet as in eager mode."""
     train("eager", tmp_path / "eager", bf16=True, sample_every=2)
-    losses = train(order, tmp_path / "run", bf16=True, sample_every=2)
-    assert breaks() == {}, f"graph breaks with {order}"
+    future, run = compiled[("test_no_graph_break_on_a_gpt_trainer", order)]
+    losses, broken, graphs = pool.result(future)
+    assert broken == {}, f"graph breaks with {order}"
     # one graph with the leaf hooks on, one with them off, one for the evaluation pass
-    assert counters["stats"]["unique_graphs"] <= 3
+    assert graphs <= 3
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
-    acts = gw.open_run(tmp_path / "run").metrics("act_norm", include_global=False)
+    acts = gw.open_run(run).metrics("act_norm", include_global=False)
     assert sorted(set(acts.step)) == [0, 2, 4], "the leaf hooks ran on the sampled steps"
-    assert findings(tmp_path / "run") == findings(tmp_path / "eager") == []
+    assert findings(run) == findings(tmp_path / "eager") == []
 
 
 @pytest.mark.parametrize("order", ORDERS)
-def test_a_nan_under_compile_is_found_where_eager_finds_it(tmp_path: Path, order: str) -> None:
+def test_a_nan_under_compile_is_found_where_eager_finds_it(tmp_path: Path, order: str, compiled: Compiled) -> None:
     """A fully masked attention row at step 4: the same finding (kind, step, layer, op) as in eager mode."""
     train("eager", tmp_path / "eager", steps=7, pad_at=4)
-    torch._dynamo.reset()
-    counters.clear()
-    train(order, tmp_path / order, steps=7, pad_at=4)
-    assert breaks() == {}, f"graph breaks with {order}"
-    eager, compiled = findings(tmp_path / "eager"), findings(tmp_path / order)
+    future, run = compiled[("test_a_nan_under_compile_is_found_where_eager_finds_it", order)]
+    _, broken, _ = pool.result(future)
+    assert broken == {}, f"graph breaks with {order}"
+    eager, found = findings(tmp_path / "eager"), findings(run)
     assert eager[0] == ("nonfinite", 4, "h.0.attn"), eager
-    assert compiled == eager
-    ops = [f["root_cause"]["op"] for f in gw.open_run(tmp_path / order).findings().data if f and "root_cause" in f]
+    assert found == eager
+    ops = [f["root_cause"]["op"] for f in gw.open_run(run).findings().data if f and "root_cause" in f]
     assert ops[:1] == ["aten::_softmax"], ops
 
 
 @pytest.mark.parametrize("order", ORDERS)
-def test_an_exploding_step_under_compile_is_found_where_eager_finds_it(tmp_path: Path, order: str) -> None:
+def test_an_exploding_step_under_compile_is_found_where_eager_finds_it(tmp_path: Path, order: str,
+                                                                       compiled: Compiled) -> None:
     """The loss of step 6 scaled by 1e4 before backward: the same findings as in eager mode."""
     train("eager", tmp_path / "eager", steps=9, scale_at=6)
-    train(order, tmp_path / order, steps=9, scale_at=6, backend="eager")
-    assert breaks() == {}, f"graph breaks with {order}"
-    eager, compiled = findings(tmp_path / "eager"), findings(tmp_path / order)
+    future, run = compiled[("test_an_exploding_step_under_compile_is_found_where_eager_finds_it", order)]
+    _, broken, _ = pool.result(future)
+    assert broken == {}, f"graph breaks with {order}"
+    eager, compiled_found = findings(tmp_path / "eager"), findings(run)
     assert eager == [("exploding", 6, "wte")]
-    assert compiled == eager
+    assert compiled_found == eager
