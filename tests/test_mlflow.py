@@ -97,7 +97,9 @@ def train(model: nn.Module, *, steps: int = STEPS, nan_at: int | None = NAN_STEP
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         if step == nan_at:
-            next(model.parameters()).grad[0] = math.nan
+            grad = next(model.parameters()).grad
+            assert grad is not None
+            grad[0] = math.nan
         gw.watcher(model).observe(loss=loss)
         opt.step()
 
@@ -458,7 +460,9 @@ def test_the_example_runs_as_written(ran: Ran) -> None:
     done = future.result()
     assert done.returncode == 0, done.stderr
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (found,) = client.search_runs([client.get_experiment_by_name("gradwatch-example").experiment_id])
+    experiment = client.get_experiment_by_name("gradwatch-example")
+    assert experiment is not None, "the example made no experiment"
+    (found,) = client.search_runs([experiment.experiment_id])
     assert found.data.tags["gradwatch.verdict"] == "fail" and found.data.tags["gradwatch.worst"] == "error"
     assert f"MLflow run {found.info.run_id}: verdict fail" in done.stdout
     history = client.get_metric_history(found.info.run_id, "gradwatch/global/grad_norm")
