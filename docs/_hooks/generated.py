@@ -23,6 +23,7 @@ reuses it (delete the folder to make it again); CI never sets it.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -246,8 +247,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     outputs = _made.get("outputs", {})
     for name, text in shown_outputs(markdown).items():
         if name in outputs and text != outputs[name]:
+            diff = "\n".join(difflib.unified_diff(text.splitlines(), outputs[name].splitlines(), "in the source",
+                                                   "printed now", lineterm="", n=1))
             log.warning("%s: the output of %r in the source is not what the tutorial prints now; "
-                        "run `python docs/_hooks/generated.py` to write it there", page.file.src_uri, name)
+                        "run `python docs/_hooks/generated.py` to write it there:\n%s", page.file.src_uri, name, diff)
     try:
         return with_outputs(markdown, outputs)
     except PluginError as error:
