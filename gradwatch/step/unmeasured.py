@@ -116,24 +116,22 @@ class Unmeasured(Recording):
         log.info("gradwatch: no optimizer.step() seen on this model and no GradScaler: the loop updates the "
                  "parameters by hand, so each backward pass is measured as a step from step %d on", step + 1)
         self.writer.submit_meta(step_moment="end of backward (parameters updated by hand, no optimizer.step())")
-        if self.tracker is not None:
-            self.tracker.clear()
-        self.latest = record.scalars
-        findings = self.judge.check(record)
-        self.submit(record)
-        if findings:
-            self.judge.defer(findings)
-        if not self.sampled(self.step):
-            self.it.probe.detach_activations()
+        self._judged_aside(record, skipped=False)
 
     def _skipped(self, record: StepRecord) -> None:
         """Judge and record a step whose update a GradScaler dropped (findings act at the next step)."""
+        self._judged_aside(record, skipped=True)
+
+    def _judged_aside(self, record: StepRecord, *, skipped: bool) -> None:
+        """Judge and record an unmeasured step outside an optimizer step: its findings act at the next step
+        (``skipped``: its update was dropped, see :meth:`~gradwatch.judging.judge.Judge.defer`).
+        """
         if self.tracker is not None:
             self.tracker.clear()
         self.latest = record.scalars
         findings = self.judge.check(record)
         self.submit(record)
         if findings:
-            self.judge.defer(findings, skipped=True)
+            self.judge.defer(findings, skipped=skipped)
         if not self.sampled(self.step):
             self.it.probe.detach_activations()
