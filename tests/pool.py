@@ -77,3 +77,9 @@ def chosen(request: pytest.FixtureRequest, name: str, *, test: str | None = None
             if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
             and name in item.callspec.params and (test is None or getattr(item, "originalname", None) == test)
             and (not slow or item.get_closest_marker("slow") is not None)]
+
+
+def tested(request: pytest.FixtureRequest) -> set[str]:
+    """The names of the requesting module's test functions that this session runs."""
+    return {item.originalname for item in request.session.items
+            if getattr(item, "module", None) is request.module and hasattr(item, "originalname")}

@@ -18,6 +18,8 @@ import pytest
 
 import gradwatch as gw
 
+from . import pool
+
 pytestmark = pytest.mark.slow  # each example runs as a script in its own process
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -43,8 +45,7 @@ def ran(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         ) -> Iterator[Ran]:
     """The unattended scripts of the tests this session runs, started as the module begins: their
     completed processes to come, and their folder."""
-    names = {getattr(item, "originalname", None) for item in request.session.items
-             if getattr(item, "module", None) is request.module}
+    names = pool.tested(request)
     with ThreadPoolExecutor(1) as runner:
         started = {}
         for name, commands in UNATTENDED.items():

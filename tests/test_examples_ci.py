@@ -26,6 +26,7 @@ import pytest
 
 import gradwatch as gw
 
+from . import pool
 from .venvs import fresh_venv
 
 pytestmark = pytest.mark.slow  # the example project's own pytest session runs in a subprocess
@@ -78,8 +79,7 @@ def started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             ) -> Iterator[dict[str, Future[Any]]]:
     """What the tests this session runs read, started as the module begins, two at a time beside the test
     process: by test, its outcome to come."""
-    names = {getattr(item, "originalname", None) for item in request.session.items
-             if getattr(item, "module", None) is request.module}
+    names = pool.tested(request)
     with ThreadPoolExecutor(2) as runner:
         futures: dict[str, Future[Any]] = {}
         for name, function in STARTED.items():

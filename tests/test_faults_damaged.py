@@ -356,9 +356,7 @@ def fuzz(pristine: Path) -> None:
 def fuzzed(request: pytest.FixtureRequest, pristine: Path) -> Iterator[Future[Any] | None]:
     """The fuzzer given to the tests' pool (two processes beside this one) as the module begins, when this
     session runs it; its outcome to come."""
-    test = "test_any_damage_is_read_as_damage_and_never_breaks_the_others"
-    runs = any(getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == test
-               for item in request.session.items)
+    runs = "test_any_damage_is_read_as_damage_and_never_breaks_the_others" in pool.tested(request)
     future = pool.submit(fuzz, pristine) if runs else None
     yield future
     if future is not None:

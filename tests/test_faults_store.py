@@ -22,6 +22,7 @@ import gradwatch as gw
 from gradwatch.store.schema import DB_NAME
 from gradwatch.store.writer import StoreWriter, create_store
 
+from . import pool
 from .conftest import train
 
 
@@ -152,12 +153,10 @@ def creations(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     beside the test process, each in a folder of its own."""
     with ThreadPoolExecutor(2) as runner:
         started: Creations = {}
-        for item in request.session.items:
-            if (getattr(item, "module", None) is request.module and getattr(item, "originalname", None)
-                    == "test_a_kill_while_the_store_is_created_leaves_the_path_free"):
-                trigger = item.callspec.params["trigger"]  # type: ignore[attr-defined]
-                where = tmp_path_factory.mktemp("creation")
-                started[trigger] = (runner.submit(_killed_creating, where, trigger), where)
+        test = "test_a_kill_while_the_store_is_created_leaves_the_path_free"
+        for trigger in pool.chosen(request, "trigger", test=test):
+            where = tmp_path_factory.mktemp("creation")
+            started[trigger] = (runner.submit(_killed_creating, where, trigger), where)
         yield started
         for future, _ in started.values():
             future.cancel()  # a session stopped early (-x) runs no creation it no longer tests

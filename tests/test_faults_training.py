@@ -28,6 +28,8 @@ from gradwatch.judging.judge import Judge
 from gradwatch.step import snapshots as snapshots_module
 from gradwatch.store.thread import Writer
 
+from . import pool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -243,12 +245,10 @@ def killed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     processes beside the test process), each in a folder of its own."""
     with ThreadPoolExecutor(2) as runner:
         started: Killed = {}
-        for item in request.session.items:
-            if (getattr(item, "module", None) is request.module and getattr(item, "originalname", None)
-                    == "test_a_finding_on_the_console_is_in_the_store_when_the_process_is_killed"):
-                rule = item.callspec.params["rule"]  # type: ignore[attr-defined]
-                where = tmp_path_factory.mktemp(f"killed-{rule}")
-                started[rule] = (runner.submit(_killed_at_print, where, rule), where)
+        test = "test_a_finding_on_the_console_is_in_the_store_when_the_process_is_killed"
+        for rule in pool.chosen(request, "rule", test=test):
+            where = tmp_path_factory.mktemp(f"killed-{rule}")
+            started[rule] = (runner.submit(_killed_at_print, where, rule), where)
         yield started
         for future, _ in started.values():
             future.cancel()  # a session stopped early (-x) runs no training it no longer tests

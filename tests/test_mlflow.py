@@ -38,6 +38,8 @@ import gradwatch as gw
 from gradwatch.sinks import mlflow as mlflow_sink
 from gradwatch.testing import SinkContract
 
+from . import pool
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, NAN_STEP = 25, 12
 
@@ -332,17 +334,11 @@ UNATTENDED = {"test_a_tracking_server_that_never_answers_does_not_hold_training"
 Ran = dict[str, tuple[Future[Any], Path]]
 
 
-def _tested(request: pytest.FixtureRequest) -> set[str | None]:
-    """The names of the module's tests this session runs."""
-    return {getattr(item, "originalname", None) for item in request.session.items
-            if getattr(item, "module", None) is request.module}
-
-
 @pytest.fixture(scope="module")
 def ran(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
     """The unattended scripts of the tests this session runs, started one after the other as the module
     begins: their outcomes to come, and their folders."""
-    names = _tested(request)
+    names = pool.tested(request)
     with ThreadPoolExecutor(1) as runner:
         started = {}
         for name, script in UNATTENDED.items():
@@ -379,7 +375,7 @@ def starting_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
                     ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path] | None]:
     """``mlflow server`` on loopback (SQLite store, artifacts served by it), started as the module begins when
     this session runs a test of it (its process, URI and folder), stopped after the module."""
-    if "test_a_real_mlflow_server_gets_the_run" not in _tested(request):
+    if "test_a_real_mlflow_server_gets_the_run" not in pool.tested(request):
         yield None
         return
     root = tmp_path_factory.mktemp("mlflow-server")

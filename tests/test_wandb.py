@@ -28,6 +28,8 @@ from gradwatch.testing import SinkContract
 from tests.wandb_offline import OfflineRun
 from tests.wandb_offline import offline_runs as read_runs
 
+from . import pool
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, NAN_STEP = 40, 25
 
@@ -338,9 +340,7 @@ def example(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             ) -> Iterator[tuple[Future[subprocess.CompletedProcess[str]], Path] | None]:
     """The example, started as the module begins (beside the test process) when this session runs its test:
     its process to come, and its folder."""
-    if not any(getattr(item, "module", None) is request.module
-               and getattr(item, "originalname", None) == "test_the_wandb_example_runs_as_written"
-               for item in request.session.items):
+    if "test_the_wandb_example_runs_as_written" not in pool.tested(request):
         yield None
         return
     where = tmp_path_factory.mktemp("example")
