@@ -235,7 +235,7 @@ def _dropped(watcher_: Watcher) -> None:
     since, the run closes as that exit ends it (``exited`` with its code), not as finished.
     """
     exiting = ending.NOW.code is not None
-    status, detail = ending.outcome({id(watcher_): watcher_.step}, at_exit=exiting) if exiting else (None, {})
+    status, detail = ending.outcome({id(watcher_): watcher_.step}, at_exit=True) if exiting else (None, {})
     watcher_.close(status, detail)
 
 
