@@ -21,8 +21,9 @@ from workloads import WORKLOADS, Workload
 import gradwatch as gw
 from gradwatch import watching
 from gradwatch.judging import judge
-from gradwatch.rootcause import capture
-from gradwatch.step import iteration, lifecycle, origin, probe, recording
+from gradwatch.rootcause import capture, state
+from gradwatch.step import iteration, lifecycle, origin, probe, recording, stats
+from gradwatch.step import measure as measure_module
 
 #: finding severities that a healthy benchmark run must not produce
 BAD_SEVERITIES = ("warning", "error")
@@ -302,6 +303,73 @@ def attribute(name: str, workload: Workload, steps: int, root: Path, console: Co
                 f"thread {own:.3f} ms/step")
     return {"workload": name, "steps": steps, "bare_ms_per_step": step_ms, "bare_cpu_ms_per_step": step_cpu_ms,
             "ms_per_step": parts}
+
+
+# ------------------------------------------------------------- cold caches
+#: parts of a step that change nothing (the same arguments give the same result, no state moves), so
+#: that each can be run a second time right after gradwatch runs it: (label, owner, attribute)
+COLD_PARTS = [
+    ("the step's vectors (numpy, from the host read)", measure_module.Measure, "vectors"),
+    ("the host read (one copy)", stats, "to_host"),
+    ("the RNG state (each captured forward call)", state.Rng, "get"),
+]
+
+
+def cold(name: str, workload: Workload, steps: int, root: Path, console: Console) -> dict[str, Any]:
+    """The same code timed where gradwatch runs it and right again: why a step's Python costs more in
+    training than alone.
+
+    A loop watched at default settings trains ``steps`` steps (after warm-up); each part of
+    :data:`COLD_PARTS` is run as gradwatch runs it (after the model's forward and backward passes, which
+    have filled the CPU's caches with their own code and data) and then once more at once, with the same
+    arguments, its result dropped. Medians over the calls, in microseconds of the training thread's CPU.
+    """
+    times: dict[str, tuple[list[float], list[float]]] = {label: ([], []) for label, _, _ in COLD_PARTS}
+    saved: list[tuple[Any, str, Any]] = []
+    counting = [False]
+
+    def twice(label: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not counting[0]:
+                return original(*args, **kwargs)
+            start = time.thread_time()
+            result = original(*args, **kwargs)
+            middle = time.thread_time()
+            original(*args, **kwargs)
+            end = time.thread_time()
+            times[label][0].append(middle - start)
+            times[label][1].append(end - middle)
+            return result
+
+        return timed
+
+    for label, owner, attr in COLD_PARTS:
+        original = owner.__dict__[attr]
+        saved.append((owner, attr, original))
+        wrapped = twice(label, original)
+        setattr(owner, attr, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+    try:
+        loop = make_loop(workload, workload.batches())
+        with_gradwatch(loop, root / f"{name}-cold")
+        try:
+            loop.run(workload.warmup_watched)
+            counting[0] = True
+            loop.run(steps)
+            counting[0] = False
+        finally:
+            loop.close()
+    finally:
+        for owner, attr, original in reversed(saved):
+            setattr(owner, attr, original)
+    parts = {}
+    for label, (first, again) in times.items():
+        if first:
+            parts[label] = {"calls_per_step": len(first) / steps, "first_us": 1e6 * statistics.median(first),
+                            "again_us": 1e6 * statistics.median(again)}
+    console.log(f"{name} cold: " + ", ".join(f"{label.split(' (')[0]} {p['first_us']:.1f} / {p['again_us']:.1f} us"
+                                             for label, p in parts.items()))
+    return {"workload": name, "steps": steps, "parts": parts}
 
 
 @contextlib.contextmanager

@@ -84,6 +84,13 @@ from the OS. Reported per step in ms and as a fraction of the bare step's CPU: a
 training-thread time, its parts, the extra collections, and the writer thread. (The timers
 themselves add about a microsecond per call.)
 
+``--cold N`` shows why a step's Python costs more in training than timed alone: per workload, a
+loop watched at default settings trains N steps, and three parts of gradwatch's step that change
+nothing (the step's numpy vectors, the host read, the RNG state a captured forward call keeps) run
+where gradwatch runs them, after the model's forward and backward passes, and then once more at
+once with the same arguments. The medians of both, in microseconds of the training thread's CPU,
+differ by the cost of caches the model's own work has filled (see ``docs/performance.md``).
+
 ``--memory`` measures the peak memory of ``bare``, ``gradwatch`` and ``gradwatch`` with a rollback
 rule (in-memory snapshots) per workload, each in a fresh process (see ``memory.py``).
 
@@ -101,6 +108,7 @@ Run it with::
     python benchmarks/overhead.py --workloads gpt --rounds 1 --rss-steps 2000 --json out.json
     python benchmarks/overhead.py --rounds 0 --rss-workload mlp --rss-steps 20000   # RSS over 20,000 steps
     python benchmarks/overhead.py --rounds 0 --attribute 500         # where gradwatch's time goes
+    python benchmarks/overhead.py --workloads mlp,pg --rounds 0 --cold 300   # the same code, in the step and again
     python benchmarks/overhead.py --workloads mlp,pg --rounds 5 --threads 1 --memory
     python benchmarks/overhead.py --workloads gpt2,resnet50 --rounds 2  # the realistic sizes: minutes per round
     python benchmarks/overhead.py --workloads gpt --variants gradwatch,compiled,gradwatch_compiled
@@ -125,9 +133,11 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark's own modules, beside this script
 
 from measuring import (  # noqa: E402
+    COLD_PARTS,
     MIB,
     Result,
     attribute,
+    cold,
     measure,
     rss_run,
 )
@@ -142,6 +152,22 @@ COVERAGE = 0.95
 
 
 # ------------------------------------------------------------------ report
+def cold_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="The same code in the step and right again: median CPU microseconds per call "
+                  "(first: as gradwatch runs it, after the model's forward and backward; again: at once)")
+    table.add_column("workload")
+    for label, _, _ in COLD_PARTS:
+        table.add_column(label, justify="right")
+    for row in rows:
+        cells = []
+        for label, _, _ in COLD_PARTS:
+            part = row["parts"].get(label)
+            cells.append("-" if part is None else f"{part['first_us']:.1f} / {part['again_us']:.1f}\n"
+                         f"({part['first_us'] / max(part['again_us'], 1e-9):.1f}x, {part['calls_per_step']:.2g}/step)")
+        table.add_row(row["workload"], *cells)
+    return table
+
+
 def attribution_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Where gradwatch's time goes (default settings): CPU ms per step, and % of a bare step's CPU")
     table.add_column("workload")
@@ -342,6 +368,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{w.steps} {name}" for name, w in WORKLOADS.items()) + ")")
     parser.add_argument("--attribute", type=int, default=0, metavar="N",
                         help="also time gradwatch's parts over N steps per workload (default: 0, skip)")
+    parser.add_argument("--cold", type=int, default=0, metavar="N",
+                        help="also time parts of gradwatch's step where it runs them and right again, over N steps "
+                        "per workload (default: 0, skip)")
     parser.add_argument("--rss-steps", type=int, default=0,
                         help="first train a workload watched for N steps, sampling the RSS (default: 0, skip)")
     parser.add_argument("--rss-workload", default="gpt", choices=list(WORKLOADS),
@@ -371,7 +400,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--steps must be at least 1")
     if args.rounds is not None and args.rounds < 0:
         parser.error("--rounds must not be negative (0: only the attribution or the RSS run)")
-    for name in ("rss_steps", "attribute"):
+    for name in ("rss_steps", "attribute", "cold"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
     return args
@@ -410,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         report["malloc_pinned"] = pinned
         results: list[Result] = []
         attribution: list[dict[str, Any]] = []
+        colds: list[dict[str, Any]] = []
         memory: list[dict[str, Any]] = []
         for name in args.workloads:
             workload = WORKLOADS[name]
@@ -422,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
                 console.log(f"{name} memory: gradwatch {memory[-1]['gradwatch_rss_overhead'] / MIB:+.1f} MiB RSS")
             if args.attribute:
                 attribution.append(attribute(name, workload, args.attribute, root, console))
+            if args.cold:
+                colds.append(cold(name, workload, args.cold, root, console))
     checks = targets(results)
     if results:
         console.print(results_table(results, checks))
@@ -429,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
         console.print(line, highlight=False, markup=False)
     if attribution:
         console.print(attribution_table(attribution))
+    if colds:
+        console.print(cold_table(colds))
     if memory:
         console.print(memory_table(memory))
     stores = [(f"{r.workload} {r.variant}", r.store) for r in results if r.store is not None]
@@ -457,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
                       "and anomaly)")
     if args.json is not None:
         report.update(results=[r.to_dict() for r in results], targets=checks, rss=rss, attribution=attribution,
-                      origin_vs_anomaly=summary, unhealthy_runs=unhealthy, memory=memory,
+                      cold=colds, origin_vs_anomaly=summary, unhealthy_runs=unhealthy, memory=memory,
                       compiled=compiled_lines(results))
         args.json.write_text(json.dumps(report, indent=2))
         console.print(f"wrote {args.json}")

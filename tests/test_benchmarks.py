@@ -90,3 +90,24 @@ def test_the_minimal_reference_takes_the_default_statistics_and_nothing_else() -
     assert hooked == [L] + [0] * 9 + [L] + [0]
     reference.close()
     assert sum(len(m._forward_hooks) for m in leaves) == 0
+
+
+@pytest.mark.slow  # trains a watched loop
+def test_the_cold_parts_run_twice_give_gradwatch_the_first_result_and_are_put_back(tmp_path: Path) -> None:
+    """``--cold``: each part runs where gradwatch runs it and again at once; gradwatch gets the first
+    call's result (the run stays healthy and finishes), and the parts are put back afterwards."""
+    overhead = load_overhead()
+    import measuring
+
+    before = [owner.__dict__[attr] for _, owner, attr in measuring.COLD_PARTS]
+    row = overhead.cold("mlp", overhead.WORKLOADS["mlp"], 12, tmp_path, Console(quiet=True))
+    assert [owner.__dict__[attr] for _, owner, attr in measuring.COLD_PARTS] == before
+    assert set(row["parts"]) == {label for label, _, _ in measuring.COLD_PARTS}
+    for part in row["parts"].values():
+        assert part["calls_per_step"] == 1.0  # one per step of the MLP: its one host read, one captured call
+        assert part["first_us"] > 0 and part["again_us"] > 0
+    import gradwatch as gw
+
+    with gw.open_run(tmp_path / "mlp-cold") as run:
+        assert run.status == "finished" and run.steps >= 12
+        assert not [f for f in run.findings().to_dict("records") if f["severity"] != "info"]
