@@ -15,7 +15,11 @@ fed the same batches:
 - ``gradwatch``: ``gw.watch(model)`` at its defaults (run store and TensorBoard files) and
   ``observe(loss=loss)``, without W&B: what the sink adds is the next one minus this;
 - ``gradwatch_wandb``: the same with ``sinks=["wandb"]``: a W&B row every step (loss, global gradient norm,
-  learning rate), the per-layer statistics every 10th step (the sampled steps), findings and verdict.
+  learning rate), the per-layer statistics every 10th step (the sampled steps), findings and verdict;
+- ``minimal``: the floor of the overhead benchmark (``benchmarks/variants.py``): the tensor work of
+  gradwatch's default statistics alone, written by hand, with no detector, record, store or W&B: what any
+  watcher that measures every step as gradwatch does costs at least. Its overhead over ``wandb_watch``'s says
+  how far below ``wandb.watch`` at its defaults such a watcher can go at all.
 
 Measurement is interleaved: after warm-up, each round runs a block of K steps of every variant in turn
 (the order rotates every round); every block is timed by the wall clock, by the CPU of the training
@@ -50,12 +54,12 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from variants import Loop, make_loop, with_gradwatch  # noqa: E402
+from variants import Loop, Minimal, make_loop, with_gradwatch  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 import gradwatch as gw  # noqa: E402
 
-VARIANTS = ("bare", "wandb_watch", "wandb_watch_only", "wandb_watch_10", "gradwatch", "gradwatch_wandb")
+VARIANTS = ("bare", "wandb_watch", "wandb_watch_only", "wandb_watch_10", "gradwatch", "gradwatch_wandb", "minimal")
 WARMUP = 30
 
 
@@ -100,6 +104,8 @@ def setup(variant: str, loop: Loop, run: Any, root: Path) -> None:
         with_gradwatch(loop, root / variant)
     elif variant == "gradwatch_wandb":
         with_gradwatch(loop, root / variant, sinks=["wandb"])
+    elif variant == "minimal":
+        Minimal(loop)
 
 
 def measure(name: str, rounds: int, steps: int, variants: list[str], root: Path, console: Console) -> list[Totals]:
@@ -160,9 +166,10 @@ def report(name: str, found: list[Totals]) -> dict[str, Any]:
                                    service_overhead_ms=overhead(by, t.variant, "service"))
     out: dict[str, Any] = {"workload": name, "variants": rows}
     for watch in ("wandb_watch", "wandb_watch_only", "wandb_watch_10"):
-        if watch in by and "gradwatch_wandb" in by:
-            for what in ("wall", "thread", "cpu"):
-                out[f"ratio_{what}_vs_{watch}"] = overhead(by, "gradwatch_wandb", what) / overhead(by, watch, what)
+        for watcher, prefix in (("gradwatch_wandb", "ratio"), ("minimal", "floor_ratio")):
+            if watch in by and watcher in by:
+                for what in ("wall", "thread", "cpu"):
+                    out[f"{prefix}_{what}_vs_{watch}"] = overhead(by, watcher, what) / overhead(by, watch, what)
     return out
 
 
@@ -210,10 +217,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             reports.append(report(name, measure(name, args.rounds, args.steps, variants, Path(tmp), console)))
     console.print(table(reports))
     for rep in reports:
-        for key in sorted(k for k in rep if k.startswith("ratio_")):
-            what, watch = key.removeprefix("ratio_").split("_vs_")
-            console.print(f"{rep['workload']}: gradwatch_wandb's overhead / {watch}'s ({what}): {rep[key]:.2f}",
-                          highlight=False)
+        for prefix, watcher in (("ratio_", "gradwatch_wandb"), ("floor_ratio_", "minimal (the floor)")):
+            for key in sorted(k for k in rep if k.startswith(prefix)):
+                what, watch = key.removeprefix(prefix).split("_vs_")
+                console.print(f"{rep['workload']}: {watcher}'s overhead / {watch}'s ({what}): {rep[key]:.2f}",
+                              highlight=False)
     out = {"torch": torch.__version__, "wandb": wandb.__version__, "gradwatch": gw.__version__,
            "threads": args.threads, "rounds": args.rounds, "steps": args.steps, "reports": reports}
     if args.json is not None:

@@ -389,3 +389,4 @@ def test_the_cost_benchmark_measures_every_variant(offline: Path, monkeypatch: p
     assert set(report["variants"]) == set(bench.VARIANTS)
     assert all(row["steps"] == 3 and row["ms_per_step"] > 0 for row in report["variants"].values())
     assert "ratio_cpu_vs_wandb_watch" in report and (offline / "cost.json").is_file()
+    assert "floor_ratio_cpu_vs_wandb_watch" in report  # the floor (minimal) against wandb.watch, too
