@@ -254,9 +254,6 @@ def _untraced(function: Callable[..., Any]) -> None:
         pass
 
 
-_untraced(RootHook.__call__)
-
-
 class Moment(Hook):
     """A hook of a step's moment (:data:`MOMENTS`): its calls are counted."""
 
@@ -266,6 +263,15 @@ class Moment(Hook):
         """Count the call, then run the hook."""
         self._guard.moments += 1
         return Hook.__call__(self, *args)
+
+
+# A hook that starts a frame of its own under dynamo runs as plain Python: where a compiled forward
+# fell back to eager (a graph break in a loop, in a nested call), torch calls the leaves' hooks from
+# eager code, and dynamo would compile each call as a graph of one hook, guarded on gradwatch's
+# state and recompiled on every call until its recompile limit warns. A leaf hook traced inline,
+# in the graph of the module that calls it, is traced as before (see :class:`RootHook` for the root's).
+for _hook in (Hook, RootHook, Moment):
+    _untraced(_hook.__call__)
 
 
 def hook_frame(frame: FrameType | None) -> FrameType | None:
