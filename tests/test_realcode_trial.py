@@ -75,6 +75,20 @@ def test_a_short_healthy_timm_loop_is_quiet_bit_identical_and_its_evaluations_ar
     assert (code, report["verdict"], report["status"], report["findings"]) == (0, "pass", "finished", [])
 
 
+@pytest.mark.parametrize("warmup_steps", [10_000, 25_000])
+def test_a_convnext_under_its_recipes_long_warmup_is_quiet_behind_its_layer_scales(warmup_steps: int,
+                                                                                   tmp_path: Path) -> None:
+    """The official ConvNeXt recipe: layer scales at 1e-6, AdamW at 4e-3, a linear warmup from 0 over 20
+    epochs (about 25,000 iterations) stepped per iteration. The scales barely move, and the gradients of the
+    layers they scale stay a millionth of the others': small by design, said once per scale (info)."""
+    result = train(timm_convnext, tmp_path / "run", steps=40, warmup_steps=warmup_steps)
+    assert loud(result) == []
+    small = [f for f in result.findings() if f["kind"] == "vanishing"]
+    assert small and all(f["severity"] == "info" and f["data"]["gate"].endswith(".gamma") for f in small)
+    assert {f["data"]["gate"] for f in small} == {f["data"]["gate"] for f in small if f["step"] == 9}
+    assert check(tmp_path / "run", "--fail-on", "warning")[0] == 0
+
+
 HEALTHY = {f"{script.__name__.rpartition('.')[2]}-seed{seed}": (script, {"steps": 250, "seed": seed})
            for script in (seq2seq, timm_convnext, simclr) for seed in (0, 1, 2)}
 
@@ -145,11 +159,12 @@ def test_timm_no_decay_group_left_out_is_named_at_step_0(tmp_path: Path) -> None
     model = result.extra["model"]
     shapes = {name: p.ndim for name, p in model.named_parameters()}
     assert all(shapes[name] == 1 for name in data["parameters"]), "norms, biases and layer scales"
-    # the layer scales left at 1e-6 keep their blocks' gradients at 1e-6 of what they would be: those blocks'
-    # layers are also reported vanishing (from step 9), and nothing else is
-    later = found[1:]
-    assert all(f["kind"] == "vanishing" and ".".join(f["layer"].split(".")[:3]) + ".gamma" in data["parameters"]
-               for f in later), summary(later)
+    # the layer scales left at 1e-6 keep their blocks' gradients at 1e-6 of what they would be: small by design
+    # while the scales are that small (one info finding per scale says so at step 9), not a second cause
+    assert found[1:] == [], summary(found[1:])
+    small = [f for f in result.findings() if f["kind"] == "vanishing"]
+    assert small and all(f["severity"] == "info" and f["step"] == 9 and f["data"]["gate"] in data["parameters"]
+                         for f in small), summary(small)
 
 
 def test_timm_forgotten_zero_grad_is_a_stale_gradient_at_step_2(tmp_path: Path) -> None:
@@ -175,6 +190,9 @@ def test_timm_kl_loss_with_zero_targets_is_nonfinite_at_step_0_and_halts_after_2
                        key=lambda f: f["step"])
     first = found[0]
     assert (first["kind"], first["step"], first["severity"], first["action"]) == ("nonfinite", 0, "error", "skip")
+    # one root cause, one finding: the skipped steps leave the layer scales at 1e-6, small by design (no
+    # vanishing warning for gradients never applied)
+    assert [(f["kind"], f["step"]) for f in found] == [("nonfinite", 0)]
     assert not isinstance(first["layer"], str)
     assert "born in the loss function" in first["message"]
     code, report = check(tmp_path / "run")

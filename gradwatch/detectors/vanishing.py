@@ -9,7 +9,7 @@ import numpy as np
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.store.findings import Finding
-from gradwatch.store.records import Layout, StepRecord
+from gradwatch.store.records import PARAM, ROOT, Layout, StepRecord
 from gradwatch.wording import layer as _layer
 from gradwatch.wording import plural
 
@@ -23,6 +23,13 @@ HINT_ZERO = (
 )
 #: a leaf with at least this fraction of exactly-zero outputs is dead (as ``dead_units`` judges it)
 DEAD = 0.99
+#: a parameter whose values' RMS is at most this when watching begins scales the gradients of the layers
+#: beside it down by design (a layer scale initialised at 1e-6 or 1e-5, ReZero's and SkipInit's 0, a
+#: residual branch's last BatchNorm weight initialised at 0); so long as it stays this small
+GATE = 1e-3
+#: a small layer under a gate is explained by it while its RMS, relative to the median layer's, is at
+#: least this times the gate's RMS (its gradient is the gate times an ordinary one)
+EXPLAINED = 1e-2
 
 
 @dataclass
@@ -37,6 +44,13 @@ class Vanishing(Detector):
     small gradient within 100 steps of a too-high learning rate named by another detector (it
     saturates and kills units); a step whose gradients are all exactly zero is ``zero_gradient``'s, and one whose
     gradient norm overflows is ``exploding``'s.
+
+    Small by design is not vanishing: a trainable parameter (not a bias) whose values' RMS is at most
+    ``GATE`` on the first sampled step (a layer scale at 1e-6, a ReZero gate at 0, a residual block's last
+    BatchNorm weight at 0) multiplies the gradients of the layers of its module (of its parent module when
+    it is a leaf's: timm's ``LayerScale``) by its own size. While it stays that small, a layer there whose
+    RMS is at least ``EXPLAINED`` times the gate's is not counted; should one stay small for ``patience``
+    steps, one finding of severity info per gate says so. Grown past ``GATE``, the gate explains nothing.
 
     Attributes:
         absolute: RMS below this is negligible whatever the other layers do.
@@ -56,6 +70,10 @@ class Vanishing(Detector):
     _sized: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), init=False, repr=False)
     _dead: bool = field(default=False, init=False, repr=False)  # a leaf was dead on the latest sampled step
     _counting: bool = field(default=False, init=False, repr=False)  # some layer's count is above 0
+    #: per gate parameter (index), the layers it scales and its RMS on the latest sampled step (see GATE)
+    _gates: dict[int, tuple[np.ndarray, float]] | None = field(default=None, init=False, repr=False)
+    _explained: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False, repr=False)
+    _told: set[int] = field(default_factory=set, init=False, repr=False)  # the gates an info finding named
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Count consecutive negligible steps per layer; report a layer when it reaches patience."""
@@ -67,7 +85,8 @@ class Vanishing(Detector):
             numel = np.asarray(layout.layer_numel, dtype=np.float64)
             if not layout.same_layers(self._layout):
                 self._runs = np.zeros(len(layout.layers), dtype=np.int64)
-            self._version, self._layout = layout.version, layout
+                self._explained = np.zeros(len(layout.layers), dtype=np.int64)
+            self._version, self._layout, self._gates = layout.version, layout, None
             self._scale, self._sized = 1.0 / np.sqrt(np.maximum(numel, 1.0)), numel > 0
         finite = record.gradients_finite()  # then so is every layer's norm
         if not finite:
@@ -77,6 +96,9 @@ class Vanishing(Detector):
         zeros = record.vector("act_zero_frac")
         if zeros is not None:
             self._dead = bool((zeros >= DEAD).any())  # NaN (leaf not called) compares False
+        weights = record.vector("param_norm", PARAM)
+        if weights is not None:
+            self._gate_sizes(layout, weights)
         rms = norm.astype(np.float64) * self._scale
         if not finite and np.isinf(rms).any():
             return []  # an overflowing gradient norm is the exploding detector's
@@ -101,9 +123,12 @@ class Vanishing(Detector):
         if not small.any():  # the usual step: every count is reset where there is a gradient
             self._reset(has)
             return []
+        explained = self._by_gates(small, rms / median)
+        small &= ~explained
         self._runs = np.where(small, self._runs + 1, self._runs * ~has)  # a layer without a gradient keeps its count
+        self._explained = np.where(explained, self._explained + 1, self._explained * ~has)
         self._counting = True
-        out = []
+        out = self._small_by_design(record, explained, rms / median)
         due = np.flatnonzero(small & (self._runs == self.patience))
         zero = due[rms[due] == 0]
         if len(zero):  # one cut in the graph, one finding: at the last of them in model order
@@ -132,7 +157,81 @@ class Vanishing(Detector):
         """Nothing is small: every count is reset where there is a gradient."""
         if self._counting:
             self._runs = self._runs * ~has
-            self._counting = bool(self._runs.any())
+            self._explained = self._explained * ~has
+            self._counting = bool(self._runs.any() or self._explained.any())
+
+    def _gate_sizes(self, layout: Layout, weights: np.ndarray) -> None:
+        """Find the layout's gates on its first sampled step (see GATE), then follow their sizes."""
+        numel = np.maximum(np.asarray(layout.param_numel, dtype=np.float64), 1.0)
+        sizes = weights.astype(np.float64) / np.sqrt(numel)
+        if self._gates is None:
+            self._gates = {p: (layers, float(sizes[p])) for p, layers in gates(layout, sizes).items()}
+        else:
+            self._gates = {p: (layers, float(sizes[p])) for p, (layers, _) in self._gates.items()}
+
+    def _by_gates(self, small: np.ndarray, ratio: np.ndarray) -> np.ndarray:
+        """The small layers that a gate still small scales down by as much as they are small."""
+        explained = np.zeros(len(small), dtype=bool)
+        for layers, size in (self._gates or {}).values():
+            if size <= GATE:  # NaN (not measured) compares False
+                explained[layers] |= ratio[layers] >= EXPLAINED * size
+        return explained & small
+
+    def _small_by_design(self, record: StepRecord, explained: np.ndarray, ratio: np.ndarray) -> list[Finding]:
+        """One info finding per gate whose layers have been small for ``patience`` steps (said once)."""
+        due = explained & (self._explained == self.patience)
+        out: list[Finding] = []
+        if not due.any():
+            return out
+        layout = record.layout
+        for p, (layers, size) in (self._gates or {}).items():
+            named = [int(i) for i in layers if due[i]]
+            if p in self._told or not named or not size <= GATE:
+                continue
+            self._told.add(p)
+            scope = _scope(layout, p) or ""
+            first, least = layout.layers[named[0]], float(ratio[named].min())
+            listed = ", ".join(repr(layout.layers[i]) for i in named[:3]) + (", ..." if len(named) > 3 else "")
+            which = (f"the gradient of {_layer(first, layout.layer_types[named[0]])} has" if len(named) == 1 else
+                     f"the gradients of {plural(len(named), 'layer')} in '{scope}' ({listed}) have")
+            them = "it" if len(named) == 1 else "them"
+            message = (f"{which} been small for {plural(self.patience, 'step')} (down to {least:.2g}x "
+                       f"the median layer's RMS) because '{layout.params[p]}' scales {them} down: its RMS is "
+                       f"{size:.3g}, small by design (a layer scale or a zero-initialised gate). Not judged as "
+                       f"vanishing until it grows past {GATE:g}.")
+            out.append(self.finding(record, "info", first, message, value=least,
+                                    data={"gate": layout.params[p], "gate_rms": size,
+                                          "layers": [layout.layers[i] for i in named][:20]}))
+        return out
+
+
+def _scope(layout: Layout, param: int) -> str | None:
+    """The module whose layers a gate parameter scales: its owner, or a leaf owner's parent; None at the root."""
+    owner = next((layer for layer, p in layout.owners if p == param), None)
+    if owner is None:
+        return None
+    name = layout.layers[owner]
+    if owner in layout.leaves:
+        name = name.rpartition(".")[0] if "." in name else ROOT
+    return None if name == ROOT else name
+
+
+def gates(layout: Layout, sizes: np.ndarray) -> dict[int, np.ndarray]:
+    """The parameters that scale the gradients of the layers beside them down (see ``GATE``): trainable,
+    not a bias, owned below the root, values' RMS at most ``GATE``; each with the indices of those layers.
+    """
+    out: dict[int, np.ndarray] = {}
+    for p, name in enumerate(layout.params):
+        if not layout.trainable[p] or name.rpartition(".")[2].startswith("bias") or not sizes[p] <= GATE:
+            continue
+        scope = _scope(layout, p)
+        if scope is None:
+            continue
+        own = {layer for layer, q in layout.owners if q == p}
+        layers = [i for i, layer in enumerate(layout.layers) if layer.startswith(scope + ".") and i not in own]
+        if layers:
+            out[p] = np.asarray(layers, dtype=np.int64)
+    return out
 
 
 def _median(values: np.ndarray) -> float:

@@ -1,0 +1,187 @@
+"""Small by design is not vanishing: layer scales and zero-initialised gates.
+
+Modern blocks multiply a residual branch by a parameter that starts tiny (ConvNeXt's and CaiT's layer
+scale at 1e-6, timm's ``LayerScale`` leaf, ReZero's gate at 0, a ResNet's last BatchNorm weight of each
+block at 0 with ``zero_init_residual``): the branch's gradients are that parameter times ordinary ones,
+a millionth of the others' while it is that small, which a long warmup from 0 keeps for hundreds of steps.
+Trained the way their recipes do (AdamW, a per-iteration linear warmup from 0), these runs are healthy:
+no warning, one info finding per gate. A constant of the same size (a buffer, not a parameter) explains
+nothing, nor does a gate for the layers outside its module, nor a gate grown past ``GATE``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import gradwatch as gw
+from gradwatch.detectors.vanishing import GATE, Vanishing, gates
+from gradwatch.store.records import LAYER, PARAM, Layout, StepRecord
+
+STEPS = 20
+
+
+class Scaled(nn.Module):
+    """x + scale * mlp(norm(x)), the scale a parameter on the block (ConvNeXt) or a constant buffer."""
+
+    def __init__(self, dim: int, init: float, learned: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        if learned:
+            self.gamma = nn.Parameter(init * torch.ones(dim))
+        else:
+            self.register_buffer("gamma", init * torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x)) * self.gamma
+
+
+class LayerScale(nn.Module):
+    """timm's: a leaf module holding the scale, beside the branch it scales."""
+
+    def __init__(self, dim: int, init: float) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(init * torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class TimmBlock(nn.Module):
+    def __init__(self, dim: int, init: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.ls1 = LayerScale(dim, init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ls1(self.mlp(self.norm1(x)))
+
+
+class Bottleneck(nn.Module):
+    """A residual block whose last BatchNorm weight starts at 0 (torchvision's ``zero_init_residual``)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        nn.init.zeros_(self.bn2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+def classify(model: nn.Module, run: Path, inputs: tuple[int, ...], *, warmup: int = 25_000) -> gw.Run:
+    """AdamW at 4e-3 under a per-iteration linear warmup from 0 (ConvNeXt's recipe), 10 classes."""
+    gw.watch(model, run=run, console=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.05)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, it / warmup))
+    gen = torch.Generator().manual_seed(0)
+    templates = torch.randn(10, *inputs, generator=gen)
+    for _ in range(STEPS):
+        y = torch.randint(0, 10, (32,), generator=gen)
+        x = templates[y] + torch.randn(32, *inputs, generator=gen)
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        optimizer.step()
+        schedule.step()
+    gw.unwatch(model)
+    return gw.open_run(run)
+
+
+def mlp_with(block: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), block, nn.LayerNorm(32), nn.Linear(32, 10))
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            nn.init.zeros_(m.bias)
+    return model
+
+
+def findings(run: gw.Run, kind: str = "vanishing") -> list[dict]:
+    return [f for f in run.findings().to_dict("records") if f["kind"] == kind]
+
+
+def loud(run: gw.Run) -> list[tuple[str, int, str]]:
+    return [(f["kind"], f["step"], f["layer"]) for f in run.findings().to_dict("records") if f["severity"] != "info"]
+
+
+def test_a_layer_scale_on_its_block_is_small_by_design(tmp_path: Path) -> None:
+    run = classify(mlp_with(Scaled(32, 1e-6)), tmp_path / "run", (32,))
+    assert loud(run) == []
+    (info,) = findings(run)
+    assert (info["severity"], info["step"], info["data"]["gate"]) == ("info", 9, "1.gamma")
+    assert info["data"]["layers"] == ["1.norm", "1.mlp.0", "1.mlp.2"]
+    assert info["data"]["gate_rms"] <= GATE and "small by design" in info["message"]
+
+
+def test_the_same_scale_as_a_constant_is_vanishing(tmp_path: Path) -> None:
+    """A buffer is no gate: nothing grows it, and the branch's gradients stay a millionth for good."""
+    run = classify(mlp_with(Scaled(32, 1e-6, learned=False)), tmp_path / "run", (32,))
+    assert {(kind, step) for kind, step, _ in loud(run)} == {("vanishing", 9)}
+    assert {layer for _, _, layer in loud(run)} == {"1.norm", "1.mlp.0", "1.mlp.2"}
+
+
+def test_timms_layer_scale_leaf_scales_the_layers_of_its_parent(tmp_path: Path) -> None:
+    run = classify(mlp_with(TimmBlock(32, 1e-6)), tmp_path / "run", (32,))
+    assert loud(run) == []
+    (info,) = findings(run)
+    assert info["data"]["gate"] == "1.ls1.gamma"
+    assert info["data"]["layers"] == ["1.norm1", "1.mlp.0", "1.mlp.2"]
+
+
+def test_a_residual_blocks_last_batchnorm_at_zero_is_small_by_design(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), Bottleneck(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 10))
+    run = classify(model, tmp_path / "run", (3, 8, 8))
+    assert loud(run) == []
+    assert {f["data"]["gate"] for f in findings(run)} <= {"1.bn2.weight"}
+
+
+def gated_layout() -> Layout:
+    """(root) owns a token; block 'b' owns a scale and holds two Linears; leaf 'ls' (under the root) owns one."""
+    layers = ("(root)", "b", "b.fc", "b.out", "ls", "head")
+    params = ("token", "b.gamma", "b.fc.weight", "b.fc.bias", "b.out.weight", "ls.gamma", "head.weight")
+    owners = ((0, 0), (1, 1), (2, 2), (2, 3), (3, 4), (4, 5), (5, 6))
+    return Layout(version=1, layers=layers, layer_types=("Net", "Block", "Linear", "Linear", "LayerScale", "Linear"),
+                  layer_numel=(4, 4, 20, 4, 4, 4), params=params, param_numel=(4, 4, 16, 4, 4, 4, 4), owners=owners,
+                  leaves=(2, 3, 4, 5), trainable=(True,) * len(params))
+
+
+def test_which_parameters_are_gates() -> None:
+    """Tiny, trainable, not a bias, below the root: a token on the root, a zero bias, a leaf right under the
+    root and a parameter of ordinary size are none."""
+    sizes = np.array([1e-6, 1e-6, 0.1, 0.0, 0.1, 1e-6, 0.0])
+    found = gates(gated_layout(), sizes)
+    assert list(found) == [1]
+    assert [gated_layout().layers[i] for i in found[1]] == ["b.fc", "b.out"]
+
+
+def test_a_gate_grown_past_its_bound_explains_nothing() -> None:
+    """While 'b.gamma' is 1e-6 the small layers of 'b' are small by design; grown to 1e-2 (their gradients
+    still a millionth of the head's, the cause elsewhere) they are vanishing again, 10 steps on."""
+    layout = gated_layout()
+    detector = Vanishing()
+    small = np.array([np.nan, 1.0, 1e-5, 1e-5, 1.0, 1.0], dtype=np.float32)
+    weights = np.array([1.0, 2e-6, 1.0, 1.0, 1.0, 1.0, 1.0], dtype=np.float32)  # b.gamma: RMS 1e-6
+    out = []
+    for step in range(40):
+        if step == 20:
+            weights[1] = 2e-2  # grown: RMS 1e-2
+        vectors = {(LAYER, "grad_norm"): small, (LAYER, "grad_nonfinite"): np.zeros(6, dtype=np.float32),
+                   (PARAM, "grad_nonfinite"): np.zeros(7, dtype=np.float32)}
+        if step % 10 == 0:
+            vectors[(PARAM, "param_norm")] = weights
+        out += detector.check(StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": 1.7},
+                                         vectors=vectors))
+    assert [(f.severity, f.step) for f in out if f.layer == "b.fc"][:2] == [("info", 9), ("warning", 29)]
