@@ -255,3 +255,31 @@ def test_compiled_in_either_order_gives_the_eager_losses_and_findings(name: str,
     same = [a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(eager.losses, compiled.losses, strict=True)]
     assert all(same)
     assert summary(loud(compiled)) == summary(loud(eager)) != []
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.slow  # compiles the model (aot_eager)
+def test_a_compiled_transformer_given_a_tgt_mask_recompiles_no_hook_of_gradwatchs(order: str, tmp_path: Path) -> None:
+    """``nn.Transformer`` given a ``tgt_mask`` breaks its graph where dynamo cannot resume (torch's own causal
+    mask check), so dynamo runs its forward eagerly and meets the leaves' hooks as frames of their own: once
+    each compiled on its own, guarded on gradwatch's state, recompiled on every leaf call until dynamo's
+    ``recompile_limit`` warned. gradwatch's hooks now run there as plain Python."""
+    import logging
+
+    import torch._dynamo
+
+    logged: list[str] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    handler = Kept(logging.WARNING)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        torch._dynamo.reset()
+        result = train(seq2seq, tmp_path / "run", steps=24, compile=order)
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert not [m for m in logged if "recompile" in m], logged
+    assert loud(result) == []
