@@ -9,6 +9,7 @@ import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import EXPLOSION, LEVEL_LOSSES, LR_HIGH, LR_LOW, QUIET_STEPS, RAISED
+from gradwatch.detectors.vanishing import GATE
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import CLOSURE_EVALUATIONS, PARAM, StepRecord
 
@@ -278,7 +279,11 @@ class LearningRate(Detector):
             return []  # an explosion since the previous sampled step made the weights jump
         with np.errstate(invalid="ignore", divide="ignore"):
             growths = np.where((prev[2] > 0) & np.isfinite(prev[2]) & np.isfinite(layers), layers / prev[2], -np.inf)
-        top = int(np.argmax(growths))
+            # a layer whose weights were near zero (a layer scale at 1e-6, a zero-initialised gate) grows by any
+            # factor as it learns: the layer named is the one of ordinary weights that grew most, where one did
+            numel = np.maximum(np.asarray(record.layout.layer_numel, dtype=np.float64), 1.0)
+            ordinary = prev[2] / np.sqrt(numel) > GATE
+        top = int(np.argmax(np.where(ordinary, growths, -np.inf) if np.isfinite(growths[ordinary]).any() else growths))
         self.causes.note(LR_HIGH, record.step)
         name, type_ = record.layout.layers[top], record.layout.layer_types[top]
         message = (f"learning rate too high for {name} ({type_}): its weights grew {growths[top]:.3g}x in {steps} "
