@@ -56,6 +56,22 @@ def attach(model: Any, run: Path | None, **options: Any) -> Observe:
     return gw.watcher(model).observe
 
 
+def compiled_and_watched(model: Any, cfg: Any) -> tuple[Any, Observe]:
+    """The module a loop calls and ``observe``: ``model`` watched into ``cfg.run`` (with ``cfg.watch``), or
+    compiled with the aot_eager backend in the order ``cfg.compile`` names (``compile-watched``:
+    ``torch.compile(gw.watch(model))``; ``watch-compiled``: ``gw.watch(torch.compile(model))``)."""
+    import torch
+
+    if cfg.compile is None:
+        return model, attach(model, cfg.run, **cfg.watch)
+    assert cfg.compile in ("compile-watched", "watch-compiled"), cfg.compile
+    if cfg.compile == "watch-compiled":
+        net = torch.compile(model, backend="aot_eager")
+        return net, attach(net, cfg.run, **cfg.watch)
+    observe = attach(model, cfg.run, **cfg.watch)
+    return torch.compile(model, backend="aot_eager"), observe
+
+
 def detach(model: Any, run: Path | None) -> None:
     """Stop watching ``model`` (when it was watched)."""
     if run is not None:

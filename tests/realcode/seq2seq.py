@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import Observe, Result, attach, detach
+from . import Result, compiled_and_watched, detach
 
 PAD, BOS, EOS = 0, 1, 2  # special token ids; the words are 3 .. vocab_size - 1
 
@@ -139,18 +139,6 @@ def noam(d_model: int, warmup: int, factor: float) -> Any:
         step = max(step, 1)
         return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
     return rate
-
-
-def compiled_and_watched(model: nn.Module, cfg: Config) -> tuple[Any, Observe]:
-    """The module the loop calls (``model``, or its ``torch.compile`` with the aot_eager backend) and ``observe``."""
-    if cfg.compile is None:
-        return model, attach(model, cfg.run, **cfg.watch)
-    assert cfg.compile in ("compile-watched", "watch-compiled"), cfg.compile
-    if cfg.compile == "watch-compiled":
-        net = torch.compile(model, backend="aot_eager")
-        return net, attach(net, cfg.run, **cfg.watch)
-    observe = attach(model, cfg.run, **cfg.watch)
-    return torch.compile(model, backend="aot_eager"), observe
 
 
 def train(cfg: Config) -> Result:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import Observe, Result, attach, detach
+from . import Result, compiled_and_watched, detach
 
 
 @dataclass
@@ -96,18 +96,6 @@ def images(cfg: Config, step: int, templates: torch.Tensor) -> torch.Tensor:
     if step == cfg.blank_image_at:
         x[5] = 0.0  # an all-black image in the data set
     return x
-
-
-def compiled_and_watched(model: nn.Module, cfg: Config) -> tuple[Any, Observe]:
-    """The module the loop calls (``model``, or its ``torch.compile`` with the aot_eager backend) and ``observe``."""
-    if cfg.compile is None:
-        return model, attach(model, cfg.run, **cfg.watch)
-    assert cfg.compile in ("compile-watched", "watch-compiled"), cfg.compile
-    if cfg.compile == "watch-compiled":
-        net = torch.compile(model, backend="aot_eager")
-        return net, attach(net, cfg.run, **cfg.watch)
-    observe = attach(model, cfg.run, **cfg.watch)
-    return torch.compile(model, backend="aot_eager"), observe
 
 
 def train(cfg: Config) -> Result:

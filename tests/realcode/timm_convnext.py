@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import Observe, Result, attach, detach
+from . import Result, compiled_and_watched, detach
 
 
 @dataclass
@@ -178,18 +178,6 @@ def images(cfg: Config, step: int, templates: torch.Tensor, n: int) -> tuple[tor
     g = torch.Generator().manual_seed(70_000 + step)
     y = torch.randint(0, cfg.num_classes, (n,), generator=g)
     return 0.5 * templates[y] + torch.randn(n, 3, 16, 16, generator=g), y
-
-
-def compiled_and_watched(model: nn.Module, cfg: Config) -> tuple[Any, Observe]:
-    """The module the loop calls (``model``, or its ``torch.compile`` with the aot_eager backend) and ``observe``."""
-    if cfg.compile is None:
-        return model, attach(model, cfg.run, **cfg.watch)
-    assert cfg.compile in ("compile-watched", "watch-compiled"), cfg.compile
-    if cfg.compile == "watch-compiled":
-        net = torch.compile(model, backend="aot_eager")
-        return net, attach(net, cfg.run, **cfg.watch)
-    observe = attach(model, cfg.run, **cfg.watch)
-    return torch.compile(model, backend="aot_eager"), observe
 
 
 def train(cfg: Config) -> Result:
