@@ -1,0 +1,130 @@
+"""A second trust trial: architectures whose near-zero-initialised parameters scale a branch's gradients.
+
+DiT's adaLN-Zero blocks and zero-initialised final layer (``tests/realcode/dit.py``), PEFT-shaped LoRA
+fine-tuning of a frozen transformer with ``lora_B`` at zero (``tests/realcode/lora.py``), a DeiT III-style
+ViT with timm ``LayerScale`` leaves at 1e-5 and a ``cls_token`` at std 1e-6 (``tests/realcode/deit3.py``)
+and ControlNet's zero convolutions beside a locked denoiser (``tests/realcode/controlnet.py``), each
+trained the way its public recipe does. Read the way a user reads them (``gw.open_run``, ``gradwatch
+check --format json --fail-on warning``): healthy runs are quiet and watching changes no loss; each
+planted failure is found at its kind, step and layer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import pool
+from .realcode import Result, controlnet, deit3, dit, lora, train, unwatched_aside
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SCRIPTS = {"dit": dit, "lora": lora, "deit3": deit3, "controlnet": controlnet}
+
+
+def loud(result: Result) -> list[dict[str, Any]]:
+    """The run's warnings and errors, in step order."""
+    return [f for f in result.findings() if f["severity"] != "info"]
+
+
+def summary(found: list[dict[str, Any]]) -> list[tuple[str, int, str | None, str]]:
+    return [(f["kind"], f["step"], f["layer"], f["severity"]) for f in found]
+
+
+def check(run: Path, *options: str) -> tuple[int, dict[str, Any]]:
+    """``python -m gradwatch check RUN --format json``: its exit status and its parsed report."""
+    done = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run), "--format", "json", *options],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stderr == "", done.stderr
+    return done.returncode, json.loads(done.stdout)
+
+
+# ------------------------------------------------------------------------------------ healthy
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_a_short_healthy_run_is_quiet_and_bit_identical(name: str, tmp_path: Path) -> None:
+    script = SCRIPTS[name]
+    watched = train(script, tmp_path / "run", steps=40)
+    assert watched.losses == train(script, None, steps=40).losses
+    assert loud(watched) == []
+    code, report = check(tmp_path / "run", "--fail-on", "warning")
+    assert (code, report["steps"], report["findings"]) == (0, 40, [])
+
+
+HEALTHY = {f"{name}-seed{seed}": (script, {"steps": 250, "seed": seed})
+           for name, script in SCRIPTS.items() for seed in (0, 1, 2)}
+
+
+@pytest.mark.parametrize("name", list(HEALTHY))
+@pytest.mark.slow  # 250 steps, trained twice
+def test_healthy_runs_of_250_steps_are_quiet_and_bit_identical(name: str, tmp_path: Path) -> None:
+    script, config = HEALTHY[name]
+    aside = unwatched_aside(script, **config)
+    watched = train(script, tmp_path / "run", **config)
+    plain = pool.result(aside)
+    assert watched.losses == plain.losses
+    assert loud(watched) == []
+    assert sum(plain.losses[-10:]) < 0.9 * sum(plain.losses[:10]), "the script learns"
+    code, report = check(tmp_path / "run", "--fail-on", "warning")
+    assert (code, report["steps"], report["findings"]) == (0, 250, [])
+
+
+# ------------------------------------------------------------------------------------- plants
+def test_dit_lr_1000x_diverges_and_is_failed_as_a_too_high_learning_rate(tmp_path: Path) -> None:
+    """At 100x (1e-2) this small DiT still learns; at 1000x its loss climbs from step 4."""
+    found = loud(train(dit, tmp_path / "run", steps=32, lr_scale=1000))
+    assert summary(found) == [("exploding", 4, "final_layer.linear", "warning"), ("loss_spike", 6, None, "warning"),
+                              ("learning_rate", 20, None, "error")]
+    assert "the run has diverged since" in found[2]["message"]
+    assert check(tmp_path / "run")[0] == 1
+
+
+def test_dit_reweighted_loss_at_t_zero_is_an_inf_loss_born_in_the_loss_function(tmp_path: Path) -> None:
+    """1 / (1 - alpha_bar) on a schedule whose first beta is 0: sample 3's t = 0 divides by zero."""
+    found = loud(train(dit, tmp_path / "run", steps=32, t_zero_at=30))
+    assert summary(found[:1]) == [("nonfinite", 30, None, "error")]
+    assert "born in the loss function) at step 30; samples to blame: sample 3;" in found[0]["message"]
+    assert check(tmp_path / "run")[0] == 1
+
+
+def test_lora_b_left_out_of_the_optimizer_is_named_at_step_0(tmp_path: Path) -> None:
+    """A name filter "lora_A" where "lora_" was meant: the zero lora_B get gradients and never move."""
+    found = loud(train(lora, tmp_path / "run", steps=12, b_left_out=True))
+    assert summary(found) == [("unoptimized_parameter", 0, "layers.0.attention.q_proj.lora_B.default", "warning")]
+    assert found[0]["data"]["parameters"] == [f"layers.{i}.attention.{p}_proj.lora_B.default.weight"
+                                              for i in (0, 1) for p in ("q", "v")]
+
+
+def test_lora_lr_1000x_is_named_at_step_10(tmp_path: Path) -> None:
+    found = loud(train(lora, tmp_path / "run", steps=12, lr_scale=1000))
+    assert summary(found) == [("learning_rate", 10, "classifier", "warning")]
+    assert "its weights grew 2.94x in 10 steps up to step 10" in found[0]["message"]
+
+
+def test_deit3_lr_100x_is_named_then_failed_as_a_run_that_never_learned(tmp_path: Path) -> None:
+    found = loud(train(deit3, tmp_path / "run", steps=32, lr_scale=100))
+    assert summary(found) == [("learning_rate", 10, "(root)", "warning"), ("learning_rate", 30, "(root)", "error")]
+    assert found[1]["data"]["evidence"] == "no_progress"
+    assert check(tmp_path / "run")[0] == 1
+
+
+def test_deit3_log_of_a_hand_written_softmax_is_a_nan_loss_at_its_step(tmp_path: Path) -> None:
+    found = loud(train(deit3, tmp_path / "run", steps=32, log_softmax_by_hand_at=30))
+    assert summary(found) == [("nonfinite", 30, None, "error")]
+    assert "born in the loss function" in found[0]["message"]
+
+
+def test_controlnet_lr_1000x_is_named_at_step_10_in_the_trainable_copy(tmp_path: Path) -> None:
+    found = loud(train(controlnet, tmp_path / "run", steps=12, lr_scale=1000))
+    assert summary(found) == [("learning_rate", 10, "control_model.encoder.down2.2", "warning")]
+
+
+def test_controlnet_hint_normalised_by_a_zero_max_is_nonfinite_input(tmp_path: Path) -> None:
+    found = loud(train(controlnet, tmp_path / "run", steps=32, hint_by_zero_at=30))
+    assert summary(found) == [("nonfinite", 30, None, "error")]
+    assert found[0]["message"].startswith("The model's input batch holds NaN/Inf at step 30; cause: data")
+    assert check(tmp_path / "run")[0] == 1
