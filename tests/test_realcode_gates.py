@@ -128,3 +128,15 @@ def test_controlnet_hint_normalised_by_a_zero_max_is_nonfinite_input(tmp_path: P
     assert summary(found) == [("nonfinite", 30, None, "error")]
     assert found[0]["message"].startswith("The model's input batch holds NaN/Inf at step 30; cause: data")
     assert check(tmp_path / "run")[0] == 1
+
+
+def test_lora_at_the_hf_trainers_default_lr_under_a_long_warmup_is_quiet_behind_lora_b(tmp_path: Path) -> None:
+    """PEFT's layout puts ``lora_B`` in a ModuleDict of its own (``q_proj.lora_B["default"]``): its zero weight
+    scales ``lora_A``'s gradient, a module up. At 5e-5 under a 2,000-step warmup ``lora_B`` stays below 1e-3
+    for the whole run, and ``lora_A``'s gradients 5e-5 of the median layer's: small by design, said (info)."""
+    result = train(lora, tmp_path / "run", steps=40, lr=5e-5, warmup_steps=2000)
+    assert loud(result) == []
+    small = [f for f in result.findings() if f["kind"] == "vanishing"]
+    assert small and all(f["severity"] == "info" and ".lora_B.default." in f["data"]["gate"]
+                         and all(".lora_A.default" in layer for layer in f["data"]["layers"]) for f in small)
+    assert check(tmp_path / "run", "--fail-on", "warning")[0] == 0

@@ -185,3 +185,20 @@ def test_a_gate_grown_past_its_bound_explains_nothing() -> None:
         out += detector.check(StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": 1.7},
                                          vectors=vectors))
     assert [(f.severity, f.step) for f in out if f.layer == "b.fc"][:2] == [("info", 9), ("warning", 29)]
+
+
+def test_a_gates_scope_widens_past_modules_that_hold_only_gates() -> None:
+    """PEFT's ``q.lora_B`` (a ModuleDict holding the zero ``default``) holds no other weights: the gate scales
+    the layers of ``q`` (``lora_A``, the frozen base). A ModuleList of zero convolutions likewise widens to
+    the module that holds it."""
+    layers = ("q", "q.base", "q.lora_A.default", "q.lora_B.default", "c", "c.enc", "c.zero.0", "c.zero.1")
+    params = ("q.base.weight", "q.lora_A.default.weight", "q.lora_B.default.weight", "c.enc.weight",
+              "c.zero.0.weight", "c.zero.1.weight")
+    owners = ((1, 0), (2, 1), (3, 2), (5, 3), (6, 4), (7, 5))
+    layout = Layout(version=1, layers=layers, layer_types=("Linear",) * 8, layer_numel=(0, 4, 4, 4, 0, 4, 4, 4),
+                    params=params, param_numel=(4,) * 6, owners=owners, leaves=(1, 2, 3, 5, 6, 7),
+                    trainable=(False, True, True, True, True, True))
+    found = gates(layout, np.array([0.5, 0.5, 0.0, 0.5, 0.0, 0.0]))
+    assert {layout.params[p]: [layout.layers[i] for i in found[p]] for p in found} == {
+        "q.lora_B.default.weight": ["q.base", "q.lora_A.default"],
+        "c.zero.0.weight": ["c.enc", "c.zero.1"], "c.zero.1.weight": ["c.enc", "c.zero.0"]}

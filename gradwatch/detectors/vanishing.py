@@ -189,7 +189,7 @@ class Vanishing(Detector):
             if p in self._told or not named or not size <= GATE:
                 continue
             self._told.add(p)
-            scope = _scope(layout, p) or ""
+            scope = _scope(layout, p, frozenset(layer for layer, q in layout.owners if q in (self._gates or {}))) or ""
             first, least = layout.layers[named[0]], float(ratio[named].min())
             listed = ", ".join(repr(layout.layers[i]) for i in named[:3]) + (", ..." if len(named) > 3 else "")
             which = (f"the gradient of {_layer(first, layout.layer_types[named[0]])} has" if len(named) == 1 else
@@ -205,13 +205,20 @@ class Vanishing(Detector):
         return out
 
 
-def _scope(layout: Layout, param: int) -> str | None:
-    """The module whose layers a gate parameter scales: its owner, or a leaf owner's parent; None at the root."""
+def _scope(layout: Layout, param: int, gated: frozenset[int] = frozenset()) -> str | None:
+    """The module whose layers a gate parameter scales: its owner, or a leaf owner's parent, widened past
+    modules that hold no layer with weights but gates (the ``nn.Sequential`` of DiT's adaLN modulation, the
+    ``ModuleDict`` of PEFT's ``lora_B``, a ``ModuleList`` of ControlNet's zero convolutions); None at the root.
+    ``gated``: the layers that own a gate.
+    """
     owner = next((layer for layer, p in layout.owners if p == param), None)
     if owner is None:
         return None
     name = layout.layers[owner]
     if owner in layout.leaves:
+        name = name.rpartition(".")[0] if "." in name else ROOT
+    weighted = {layer for layer, _ in layout.owners} - gated
+    while name != ROOT and not any(layout.layers[i].startswith(name + ".") for i in weighted):
         name = name.rpartition(".")[0] if "." in name else ROOT
     return None if name == ROOT else name
 
@@ -220,11 +227,12 @@ def gates(layout: Layout, sizes: np.ndarray) -> dict[int, np.ndarray]:
     """The parameters that scale the gradients of the layers beside them down (see ``GATE``): trainable,
     not a bias, owned below the root, values' RMS at most ``GATE``; each with the indices of those layers.
     """
+    found = [p for p, name in enumerate(layout.params)
+             if layout.trainable[p] and not name.rpartition(".")[2].startswith("bias") and sizes[p] <= GATE]
+    gated = frozenset(layer for layer, q in layout.owners if q in set(found))
     out: dict[int, np.ndarray] = {}
-    for p, name in enumerate(layout.params):
-        if not layout.trainable[p] or name.rpartition(".")[2].startswith("bias") or not sizes[p] <= GATE:
-            continue
-        scope = _scope(layout, p)
+    for p in found:
+        scope = _scope(layout, p, gated)
         if scope is None:
             continue
         own = {layer for layer, q in layout.owners if q == p}
