@@ -56,7 +56,7 @@ def test_a_short_healthy_run_is_quiet_and_bit_identical(name: str, tmp_path: Pat
 
 
 HEALTHY = {f"{name}-seed{seed}": (script, {"steps": 250, "seed": seed})
-           for name, script in SCRIPTS.items() for seed in (0, 1, 2)}
+           for name, script in SCRIPTS.items() for seed in (0, 1)}
 
 
 @pytest.mark.parametrize("name", list(HEALTHY))

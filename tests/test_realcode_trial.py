@@ -90,7 +90,7 @@ def test_a_convnext_under_its_recipes_long_warmup_is_quiet_behind_its_layer_scal
 
 
 HEALTHY = {f"{script.__name__.rpartition('.')[2]}-seed{seed}": (script, {"steps": 250, "seed": seed})
-           for script in (seq2seq, timm_convnext, simclr) for seed in (0, 1, 2)}
+           for script in (seq2seq, timm_convnext, simclr) for seed in (0, 1)}
 
 
 @pytest.mark.parametrize("name", list(HEALTHY))
