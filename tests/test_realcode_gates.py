@@ -11,37 +11,16 @@ planted failure is found at its kind, step and layer.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from . import pool
-from .realcode import Result, controlnet, deit3, dit, lora, train, unwatched_aside
+from .realcode import check, controlnet, deit3, dit, lora, loud, summary, train, unwatched_aside
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SCRIPTS = {"dit": dit, "lora": lora, "deit3": deit3, "controlnet": controlnet}
-
-
-def loud(result: Result) -> list[dict[str, Any]]:
-    """The run's warnings and errors, in step order."""
-    return [f for f in result.findings() if f["severity"] != "info"]
-
-
-def summary(found: list[dict[str, Any]]) -> list[tuple[str, int, str | None, str]]:
-    return [(f["kind"], f["step"], f["layer"], f["severity"]) for f in found]
-
-
-def check(run: Path, *options: str) -> tuple[int, dict[str, Any]]:
-    """``python -m gradwatch check RUN --format json``: its exit status and its parsed report."""
-    done = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run), "--format", "json", *options],
-                          capture_output=True, text=True, timeout=120)
-    assert done.stderr == "", done.stderr
-    return done.returncode, json.loads(done.stdout)
 
 
 # ------------------------------------------------------------------------------------ healthy

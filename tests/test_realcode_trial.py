@@ -15,41 +15,20 @@ findings with either order of ``torch.compile`` and ``gw.watch``.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import gradwatch as gw
 
 from . import pool
-from .realcode import Result, seq2seq, simclr, timm_convnext, train, unwatched_aside
+from .realcode import check, loud, seq2seq, simclr, summary, timm_convnext, train, unwatched_aside
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")]  # nn.Transformer, batch_first=False
 
 ORDERS = ["compile-watched", "watch-compiled"]
-
-
-def loud(result: Result) -> list[dict[str, Any]]:
-    """The run's warnings and errors, in step order."""
-    return [f for f in result.findings() if f["severity"] != "info"]
-
-
-def summary(found: list[dict[str, Any]]) -> list[tuple[str, int, str | None, str]]:
-    return [(f["kind"], f["step"], f["layer"], f["severity"]) for f in found]
-
-
-def check(run: Path, *options: str) -> tuple[int, dict[str, Any]]:
-    """``python -m gradwatch check RUN --format json``: its exit status and its parsed report."""
-    done = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run), "--format", "json", *options],
-                          capture_output=True, text=True, timeout=120)
-    assert done.stderr == "", done.stderr
-    return done.returncode, json.loads(done.stdout)
 
 
 # ------------------------------------------------------------------------------------ healthy

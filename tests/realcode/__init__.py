@@ -18,7 +18,10 @@ Scripts stay small enough that a run takes about a second on two CPU cores.
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,3 +102,21 @@ def unwatched_aside(script: Any, **config: Any) -> Any:
     from tests import pool
 
     return pool.submit(unwatched, script.__name__.rpartition(".")[2], config)
+
+
+# ------------------------------------------------- reading a run as a user reads it
+def loud(result: Result) -> list[dict[str, Any]]:
+    """The run's warnings and errors, in step order."""
+    return [f for f in result.findings() if f["severity"] != "info"]
+
+
+def summary(found: list[dict[str, Any]]) -> list[tuple[str, int, str | None, str]]:
+    return [(f["kind"], f["step"], f["layer"], f["severity"]) for f in found]
+
+
+def check(run: Path, *options: str) -> tuple[int, dict[str, Any]]:
+    """``python -m gradwatch check RUN --format json``: its exit status and its parsed report."""
+    done = subprocess.run([sys.executable, "-m", "gradwatch", "check", str(run), "--format", "json", *options],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stderr == "", done.stderr
+    return done.returncode, json.loads(done.stdout)
