@@ -75,6 +75,12 @@ def compiled_and_watched(model: Any, cfg: Any) -> tuple[Any, Observe]:
     return torch.compile(model, backend="aot_eager"), observe
 
 
+def detach_watched(model: Any, net: Any, cfg: Any) -> None:
+    """Stop watching what :func:`compiled_and_watched` watched: the compiled module in the order
+    ``watch-compiled``, else ``model``."""
+    detach(net if cfg.compile == "watch-compiled" else model, cfg.run)
+
+
 def detach(model: Any, run: Path | None) -> None:
     """Stop watching ``model`` (when it was watched)."""
     if run is not None:

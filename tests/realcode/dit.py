@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from . import Result, compiled_and_watched, detach
+from . import Result, compiled_and_watched, detach_watched
+from .deit3 import Attention  # timm's ViT attention, which DiT's blocks use too
 
 
 @dataclass
@@ -52,20 +52,6 @@ class Config:
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        x = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(x.transpose(1, 2).reshape(b, n, d))
 
 
 class Mlp(nn.Module):
@@ -204,5 +190,5 @@ def train(cfg: Config) -> Result:
             scheduler.step()
             losses.append(loss.item())
     finally:
-        detach(net if cfg.compile == "watch-compiled" else model, cfg.run)
+        detach_watched(model, net, cfg)
     return Result(losses, cfg.run, {"model": model})

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import Result, compiled_and_watched, detach
+from . import Result, compiled_and_watched, detach_watched
 
 
 @dataclass
@@ -167,5 +167,5 @@ def train(cfg: Config) -> Result:
             optimizer.zero_grad()
             losses.append(loss.item())
     finally:
-        detach(net if cfg.compile == "watch-compiled" else model, cfg.run)
+        detach_watched(model, net, cfg)
     return Result(losses, cfg.run, {"model": model})

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import Result, compiled_and_watched, detach
+from . import Result, compiled_and_watched, detach_watched
 
 PAD, BOS, EOS = 0, 1, 2  # special token ids; the words are 3 .. vocab_size - 1
 
@@ -169,5 +169,5 @@ def train(cfg: Config) -> Result:
             scheduler.step()
             losses.append(loss.item())
     finally:
-        detach(net if cfg.compile == "watch-compiled" else model, cfg.run)
+        detach_watched(model, net, cfg)
     return Result(losses, cfg.run, {"model": model})

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import Result, compiled_and_watched, detach
+from . import Result, compiled_and_watched, detach_watched
 
 
 @dataclass
@@ -122,7 +122,7 @@ def train(cfg: Config) -> Result:
             scheduler.step()
             losses.append(loss.item())
     finally:
-        detach(net if cfg.compile == "watch-compiled" else model, cfg.run)
+        detach_watched(model, net, cfg)
     bn = model.get_submodule("encoder.0.1")
     assert isinstance(bn, nn.BatchNorm2d) and bn.running_mean is not None
     return Result(losses, cfg.run, {"model": model, "running_mean": bn.running_mean.clone()})

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import Result, compiled_and_watched, detach
+from . import Result, compiled_and_watched, detach_watched
 
 
 @dataclass
@@ -220,6 +220,6 @@ def train(cfg: Config) -> Result:
                     accuracy.append(float((net(val_x).argmax(1) == val_y).float().mean()))
                     ema_accuracy.append(float((model_ema(val_x).argmax(1) == val_y).float().mean()))
     finally:
-        detach(net if cfg.compile == "watch-compiled" else model, cfg.run)
+        detach_watched(model, net, cfg)
     return Result(losses, cfg.run, {"model": model, "ema": model_ema, "accuracy": accuracy,
                                     "ema_accuracy": ema_accuracy})
