@@ -227,11 +227,11 @@ def gates(layout: Layout, sizes: np.ndarray) -> dict[int, np.ndarray]:
     """The parameters that scale the gradients of the layers beside them down (see ``GATE``): trainable,
     not a bias, owned below the root, values' RMS at most ``GATE``; each with the indices of those layers.
     """
-    found = [p for p, name in enumerate(layout.params)
-             if layout.trainable[p] and not name.rpartition(".")[2].startswith("bias") and sizes[p] <= GATE]
-    gated = frozenset(layer for layer, q in layout.owners if q in set(found))
+    found = {p for p, name in enumerate(layout.params)
+             if layout.trainable[p] and not name.rpartition(".")[2].startswith("bias") and sizes[p] <= GATE}
+    gated = frozenset(layer for layer, q in layout.owners if q in found)
     out: dict[int, np.ndarray] = {}
-    for p in found:
+    for p in sorted(found):
         scope = _scope(layout, p, gated)
         if scope is None:
             continue
