@@ -119,3 +119,18 @@ def test_lora_at_the_hf_trainers_default_lr_under_a_long_warmup_is_quiet_behind_
     assert small and all(f["severity"] == "info" and ".lora_B.default." in f["data"]["gate"]
                          and all(".lora_A.default" in layer for layer in f["data"]["layers"]) for f in small)
     assert check(tmp_path / "run", "--fail-on", "warning")[0] == 0
+
+
+def test_dit_under_a_long_warmup_from_0_is_quiet_behind_its_zero_initialised_final_layer(tmp_path: Path) -> None:
+    """PixArt-style: a per-iteration linear warmup from 0 over 1,000 iterations. DiT's final Linear starts at
+    zero and scales every gradient upstream of it: by step 12 the median layer's RMS is ~3e-12, below the
+    absolute floor (1e-10), while the final layer's own gradient is ordinary. Small by design, said (info);
+    before, every embedder and block layer was a vanishing warning and ``check`` failed."""
+    result = train(dit, tmp_path / "run", steps=40, warmup_steps=1000)
+    assert loud(result) == []
+    outer = [f for f in result.findings()
+             if f["kind"] == "vanishing" and f["data"]["gate"] == "final_layer.linear.weight"]
+    assert [(f["severity"], f["step"]) for f in outer] == [("info", 12)]
+    assert {"t_embedder.mlp.0", "t_embedder.mlp.2", "y_embedder"} <= set(outer[0]["data"]["layers"])
+    assert "below the floor of 1e-10" in outer[0]["message"]
+    assert check(tmp_path / "run", "--fail-on", "warning")[0] == 0

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch.detectors.vanishing import GATE, Vanishing, gates
+from gradwatch.detectors.vanishing import GATE, Vanishing, gates, outer
 from gradwatch.store.records import LAYER, PARAM, Layout, StepRecord
 
 STEPS = 20
@@ -202,3 +202,44 @@ def test_a_gates_scope_widens_past_modules_that_hold_only_gates() -> None:
     assert {layout.params[p]: [layout.layers[i] for i in found[p]] for p in found} == {
         "q.lora_B.default.weight": ["q.base", "q.lora_A.default"],
         "c.zero.0.weight": ["c.enc", "c.zero.1"], "c.zero.1.weight": ["c.enc", "c.zero.0"]}
+
+
+def output_gated_layout() -> Layout:
+    """(root) holds 'body.0', 'body.1' (a Sequential 'body') and 'head', a leaf right under the root."""
+    layers = ("(root)", "body", "body.0", "body.1", "head")
+    params = ("body.0.weight", "body.1.weight", "head.weight")
+    return Layout(version=1, layers=layers, layer_types=("Net", "Sequential", "Linear", "Linear", "Linear"),
+                  layer_numel=(0, 0, 4, 4, 4), params=params, param_numel=(4, 4, 4), owners=((2, 0), (3, 1), (4, 2)),
+                  leaves=(2, 3, 4), trainable=(True,) * 3)
+
+
+def judged(layout: Layout, norms: list[float], weights: list[float], steps: int = 12) -> list:
+    detector, out = Vanishing(), []
+    for step in range(steps):
+        vectors = {(LAYER, "grad_norm"): np.array([np.nan, np.nan, *norms], dtype=np.float32),  # leaves' only
+                   (LAYER, "grad_nonfinite"): np.zeros(len(layout.layers), dtype=np.float32),
+                   (PARAM, "grad_nonfinite"): np.zeros(len(weights), dtype=np.float32)}
+        if step % 10 == 0:
+            vectors[(PARAM, "param_norm")] = np.array(weights, dtype=np.float32)
+        out += detector.check(StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": 1.0},
+                                         vectors=vectors))
+    return [(f.severity, f.step, f.layer) for f in out]
+
+
+def test_a_zero_output_layer_explains_a_model_below_the_absolute_floor() -> None:
+    """A zero-initialised head (DiT's final layer; an output layer under a long warmup) scales every gradient
+    upstream of it: all of them below 1e-10 while its own is ordinary is small by design. It explains no
+    layer small beside the others, and nothing once its own gradient is below the floor too (the whole
+    network's gradient has vanished: a saturated output, a loss scaled to nothing)."""
+    layout = output_gated_layout()
+    assert [layout.params[p] for p in outer(layout, np.array([0.5, 0.5, 1e-7]))] == ["head.weight"]
+    assert [layout.params[p] for p in gates(layout, np.array([0.5, 0.5, 1e-7]))] == []
+    weights = [1.0, 1.0, 2e-7]  # head.weight: RMS 1e-7
+    assert judged(layout, [2e-12, 4e-12, 1.0], weights) == [("info", 9, "body.0")]
+    # body.0 also 1e-9 of body.1's: small beside the others, which the head does not explain
+    assert judged(layout, [4e-21, 4e-12, 1.0], weights) == [("info", 9, "body.1"), ("warning", 9, "body.0")]
+    # the head's own gradient below the floor: the whole network's has vanished
+    assert judged(layout, [2e-12, 4e-12, 2e-12], weights) == [
+        ("warning", 9, "body.0"), ("warning", 9, "body.1"), ("warning", 9, "head")]
+    # grown past GATE, the head explains nothing
+    assert judged(layout, [2e-12, 4e-12, 1.0], [1.0, 1.0, 0.2]) == [("warning", 9, "body.0"), ("warning", 9, "body.1")]

@@ -72,6 +72,9 @@ class Vanishing(Detector):
     _counting: bool = field(default=False, init=False, repr=False)  # some layer's count is above 0
     #: per gate parameter (index), the layers it scales and its RMS on the latest sampled step (see GATE)
     _gates: dict[int, tuple[np.ndarray, float]] | None = field(default=None, init=False, repr=False)
+    #: the gates of the whole model (a zero-initialised output layer, see ``outer``): per gate parameter,
+    #: the layers that own it
+    _outer: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False)
     _explained: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False, repr=False)
     _told: set[int] = field(default_factory=set, init=False, repr=False)  # the gates an info finding named
 
@@ -123,12 +126,12 @@ class Vanishing(Detector):
         if not small.any():  # the usual step: every count is reset where there is a gradient
             self._reset(has)
             return []
-        explained = self._by_gates(small, rms / median)
+        explained = self._by_gates(small, rms, median)
         small &= ~explained
         self._runs = np.where(small, self._runs + 1, self._runs * ~has)  # a layer without a gradient keeps its count
         self._explained = np.where(explained, self._explained + 1, self._explained * ~has)
         self._counting = True
-        out = self._small_by_design(record, explained, rms / median)
+        out = self._small_by_design(record, explained, rms, median)
         due = np.flatnonzero(small & (self._runs == self.patience))
         zero = due[rms[due] == 0]
         if len(zero):  # one cut in the graph, one finding: at the last of them in model order
@@ -146,9 +149,10 @@ class Vanishing(Detector):
                                           "hint": HINT_ZERO}))
         for i in due[rms[due] > 0]:
             name, ratio = layout.layers[i], rms[i] / median
+            below = (f"{ratio:.2g}x the median layer's {median:.3g}" if ratio < self.relative else
+                     f"below the floor of {self.absolute:g} (the median layer's is {median:.3g})")
             message = (f"gradient of {_layer(name, layout.layer_types[i])} has vanished for "
-                       f"{plural(self.patience, 'step')}: RMS {rms[i]:.3g}, {ratio:.2g}x the median layer's "
-                       f"{median:.3g}.")
+                       f"{plural(self.patience, 'step')}: RMS {rms[i]:.3g}, {below}.")
             out.append(self.finding(record, "warning", name, message, value=float(ratio),
                                     data={"rms": float(rms[i]), "median_rms": median, "hint": HINT}))
         return out
@@ -166,18 +170,35 @@ class Vanishing(Detector):
         sizes = weights.astype(np.float64) / np.sqrt(numel)
         if self._gates is None:
             self._gates = {p: (layers, float(sizes[p])) for p, layers in gates(layout, sizes).items()}
+            self._outer = outer(layout, sizes)
+            every = np.arange(len(layout.layers))
+            self._gates.update({p: (np.setdiff1d(every, own), float(sizes[p])) for p, own in self._outer.items()})
         else:
             self._gates = {p: (layers, float(sizes[p])) for p, (layers, _) in self._gates.items()}
 
-    def _by_gates(self, small: np.ndarray, ratio: np.ndarray) -> np.ndarray:
-        """The small layers that a gate still small scales down by as much as they are small."""
+    def _by_gates(self, small: np.ndarray, rms: np.ndarray, median: float) -> np.ndarray:
+        """The small layers that a gate still small scales down by as much as they are small.
+
+        A gate of the whole model (``outer``) scales every layer alike, so it explains no layer small beside
+        the others; only those below the absolute floor with the median (every layer is), and only while
+        its own layer's gradient is above the floor (a zero output layer's is ordinary: a network whose
+        gradients all vanish, that layer's too, is vanishing).
+        """
         explained = np.zeros(len(small), dtype=bool)
-        for layers, size in (self._gates or {}).values():
-            if size <= GATE:  # NaN (not measured) compares False
+        ratio = rms / median
+        for p, (layers, size) in (self._gates or {}).items():
+            if not size <= GATE:  # NaN (not measured) compares False
+                continue
+            own = self._outer.get(p)
+            if own is None:
                 explained[layers] |= ratio[layers] >= EXPLAINED * size
+            elif len(own) and (rms[own] >= self.absolute).all():
+                floor = EXPLAINED * size * self.absolute  # the gate's size accounts for the shortfall
+                explained[layers] |= (ratio[layers] >= self.relative) & (rms[layers] >= floor)
         return explained & small
 
-    def _small_by_design(self, record: StepRecord, explained: np.ndarray, ratio: np.ndarray) -> list[Finding]:
+    def _small_by_design(self, record: StepRecord, explained: np.ndarray, rms: np.ndarray,
+                         median: float) -> list[Finding]:
         """One info finding per gate whose layers have been small for ``patience`` steps (said once)."""
         due = explained & (self._explained == self.patience)
         out: list[Finding] = []
@@ -189,14 +210,17 @@ class Vanishing(Detector):
             if p in self._told or not named or not size <= GATE:
                 continue
             self._told.add(p)
-            scope = _scope(layout, p, frozenset(layer for layer, q in layout.owners if q in (self._gates or {}))) or ""
-            first, least = layout.layers[named[0]], float(ratio[named].min())
+            scope = _scope(layout, p, frozenset(layer for layer, q in layout.owners if q in (self._gates or {})))
+            where = f" in '{scope}'" if scope is not None else ""
+            first, least = layout.layers[named[0]], float(rms[named].min() / median)
             listed = ", ".join(repr(layout.layers[i]) for i in named[:3]) + (", ..." if len(named) > 3 else "")
             which = (f"the gradient of {_layer(first, layout.layer_types[named[0]])} has" if len(named) == 1 else
-                     f"the gradients of {plural(len(named), 'layer')} in '{scope}' ({listed}) have")
+                     f"the gradients of {plural(len(named), 'layer')}{where} ({listed}) have")
             them = "it" if len(named) == 1 else "them"
-            message = (f"{which} been small for {plural(self.patience, 'step')} (down to {least:.2g}x "
-                       f"the median layer's RMS) because '{layout.params[p]}' scales {them} down: its RMS is "
+            low = (f"down to {least:.2g}x the median layer's RMS" if least < self.relative else
+                   f"RMS down to {float(rms[named].min()):.3g}, below the floor of {self.absolute:g}")
+            message = (f"{which} been small for {plural(self.patience, 'step')} ({low}) because "
+                       f"'{layout.params[p]}' scales {them} down: its RMS is "
                        f"{size:.3g}, small by design (a layer scale or a zero-initialised gate). Not judged as "
                        f"vanishing until it grows past {GATE:g}.")
             out.append(self.finding(record, "info", first, message, value=least,
@@ -223,12 +247,18 @@ def _scope(layout: Layout, param: int, gated: frozenset[int] = frozenset()) -> s
     return None if name == ROOT else name
 
 
+def _candidates(layout: Layout, sizes: np.ndarray) -> set[int]:
+    """Trainable parameters, not biases, owned below the root, whose values' RMS is at most ``GATE``."""
+    root = {p for layer, p in layout.owners if layout.layers[layer] == ROOT}
+    return {p for p, name in enumerate(layout.params) if layout.trainable[p] and p not in root
+            and not name.rpartition(".")[2].startswith("bias") and sizes[p] <= GATE}
+
+
 def gates(layout: Layout, sizes: np.ndarray) -> dict[int, np.ndarray]:
     """The parameters that scale the gradients of the layers beside them down (see ``GATE``): trainable,
     not a bias, owned below the root, values' RMS at most ``GATE``; each with the indices of those layers.
     """
-    found = {p for p, name in enumerate(layout.params)
-             if layout.trainable[p] and not name.rpartition(".")[2].startswith("bias") and sizes[p] <= GATE}
+    found = _candidates(layout, sizes)
     gated = frozenset(layer for layer, q in layout.owners if q in found)
     out: dict[int, np.ndarray] = {}
     for p in sorted(found):
@@ -240,6 +270,21 @@ def gates(layout: Layout, sizes: np.ndarray) -> dict[int, np.ndarray]:
         if layers:
             out[p] = np.asarray(layers, dtype=np.int64)
     return out
+
+
+def outer(layout: Layout, sizes: np.ndarray) -> dict[int, np.ndarray]:
+    """The gates of the whole model: gate parameters (see ``gates``) whose scope widens to the root, a leaf
+    right under the root or a module holding nothing but gates (DiT's final layer: a zero-initialised
+    Linear and its adaLN modulation; a zero-initialised head). Such a layer is the model's output layer
+    or a branch's end beside it; each with the indices of the layers that own it.
+    """
+    found = _candidates(layout, sizes)
+    gated = frozenset(layer for layer, q in layout.owners if q in found)
+    out: dict[int, list[int]] = {}
+    for layer, p in layout.owners:
+        if p in found and _scope(layout, p, gated) is None:
+            out.setdefault(p, []).append(layer)
+    return {p: np.asarray(layers, dtype=np.int64) for p, layers in sorted(out.items())}
 
 
 def _median(values: np.ndarray) -> float:
