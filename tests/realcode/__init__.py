@@ -92,22 +92,28 @@ def train(script: Any, run: Path | None, **config: Any) -> Result:
     return script.train(script.Config(run=run, **config))
 
 
-def unwatched(script: str, config: dict[str, Any]) -> Result:
-    """An unwatched run of the script named ``script`` (a module of this package), for the tests' pool
-    (``tests/pool.py``): its losses, and of its extras the lists of numbers (what pickles back)."""
+def trained(script: str, run: Path | None, config: dict[str, Any]) -> Result:
+    """A run of the script named ``script`` (a module of this package) into ``run`` (None: unwatched), for
+    the tests' pool (``tests/pool.py``): its losses, its run, and of its extras the lists of numbers (what
+    pickles back)."""
     import importlib
 
-    result = train(importlib.import_module(f"{__name__}.{script}"), None, **config)
+    result = train(importlib.import_module(f"{__name__}.{script}"), run, **config)
     numbers = {k: v for k, v in result.extra.items() if isinstance(v, list) and all(isinstance(x, float) for x in v)}
-    return Result(result.losses, None, numbers)
+    return Result(result.losses, run, numbers)
+
+
+def aside(script: Any, run: Path | None, **config: Any) -> Any:
+    """``train(script, run, **config)`` started in the tests' pool, beside the test process (which trains the
+    other run of a comparison meanwhile): a future whose ``tests.pool.result()`` is its :func:`trained`."""
+    from tests import pool
+
+    return pool.submit(trained, script.__name__.rpartition(".")[2], run, config)
 
 
 def unwatched_aside(script: Any, **config: Any) -> Any:
-    """``train(script, None, **config)`` started in the tests' pool, beside the test process (which trains the
-    watched run meanwhile): a future whose ``tests.pool.result()`` is the unwatched run's :func:`unwatched`."""
-    from tests import pool
-
-    return pool.submit(unwatched, script.__name__.rpartition(".")[2], config)
+    """:func:`aside` unwatched: the plain run that a watched one is compared with."""
+    return aside(script, None, **config)
 
 
 # ------------------------------------------------- reading a run as a user reads it
