@@ -90,7 +90,8 @@ def test_detect_only_nan_batch_says_once_that_step_10s_update_poisoned_the_weigh
 
 def test_check_text_and_json_name_step_10_as_the_poisoning_update(detect_only: tuple[Path, str]) -> None:
     run_dir, _ = detect_only
-    text = CliRunner().invoke(cli, ["check", str(run_dir)], prog_name="gradwatch", terminal_width=400)
+    # a table as wide as the run's path needs, whatever the temporary folder's length (rich reads COLUMNS)
+    text = CliRunner().invoke(cli, ["check", str(run_dir)], prog_name="gradwatch", env={"COLUMNS": "400"})
     assert text.exit_code == 1
     out = said(text.output)
     assert "│ 11 (x139) │ error │ nonfinite │ 0 (forward) │ warn │ The weights hold NaN/Inf at step 11: step 10's " \
