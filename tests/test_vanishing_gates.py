@@ -213,7 +213,8 @@ def output_gated_layout() -> Layout:
                   leaves=(2, 3, 4), trainable=(True,) * 3)
 
 
-def judged(layout: Layout, norms: list[float], weights: list[float], steps: int = 12) -> list:
+def judged(layout: Layout, norms: list[float], weights: list[float], steps: int = 12, *,
+           messages: bool = False) -> list:
     detector, out = Vanishing(), []
     for step in range(steps):
         vectors = {(LAYER, "grad_norm"): np.array([np.nan, np.nan, *norms], dtype=np.float32),  # leaves' only
@@ -223,7 +224,7 @@ def judged(layout: Layout, norms: list[float], weights: list[float], steps: int 
             vectors[(PARAM, "param_norm")] = np.array(weights, dtype=np.float32)
         out += detector.check(StepRecord(step=step, time=0.0, layout=layout, scalars={"grad_norm": 1.0},
                                          vectors=vectors))
-    return [(f.severity, f.step, f.layer) for f in out]
+    return [f.message for f in out] if messages else [(f.severity, f.step, f.layer) for f in out]
 
 
 def test_a_zero_output_layer_explains_a_model_below_the_absolute_floor() -> None:
@@ -241,5 +242,9 @@ def test_a_zero_output_layer_explains_a_model_below_the_absolute_floor() -> None
     # the head's own gradient below the floor: the whole network's has vanished
     assert judged(layout, [2e-12, 4e-12, 2e-12], weights) == [
         ("warning", 9, "body.0"), ("warning", 9, "body.1"), ("warning", 9, "head")]
+    # a warning from the floor says so: the layer is no smaller than the others
+    assert judged(layout, [2e-12, 4e-12, 2e-12], weights, messages=True)[1] == (
+        "gradient of body.1 (Linear) has vanished for 10 steps: RMS 2e-12, below the floor of 1e-10 (the median "
+        "layer's is 1e-12).")
     # grown past GATE, the head explains nothing
     assert judged(layout, [2e-12, 4e-12, 1.0], [1.0, 1.0, 0.2]) == [("warning", 9, "body.0"), ("warning", 9, "body.1")]
