@@ -75,6 +75,7 @@ class Vanishing(Detector):
     #: the gates of the whole model (a zero-initialised output layer, see ``outer``): per gate parameter,
     #: the layers that own it
     _outer: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False)
+    _scopes: dict[int, str | None] = field(default_factory=dict, init=False, repr=False)  # per gate (see _scope)
     _explained: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False, repr=False)
     _told: set[int] = field(default_factory=set, init=False, repr=False)  # the gates an info finding named
 
@@ -169,8 +170,9 @@ class Vanishing(Detector):
         numel = np.maximum(np.asarray(layout.param_numel, dtype=np.float64), 1.0)
         sizes = weights.astype(np.float64) / np.sqrt(numel)
         if self._gates is None:
-            self._gates = {p: (layers, float(sizes[p])) for p, layers in gates(layout, sizes).items()}
-            self._outer = outer(layout, sizes)
+            self._scopes = _scoped(layout, sizes)
+            self._gates = {p: (layers, float(sizes[p])) for p, layers in gates(layout, sizes, self._scopes).items()}
+            self._outer = outer(layout, sizes, self._scopes)
             every = np.arange(len(layout.layers))
             self._gates.update({p: (np.setdiff1d(every, own), float(sizes[p])) for p, own in self._outer.items()})
         else:
@@ -210,7 +212,7 @@ class Vanishing(Detector):
             if p in self._told or not named or not size <= GATE:
                 continue
             self._told.add(p)
-            scope = _scope(layout, p, frozenset(layer for layer, q in layout.owners if q in (self._gates or {})))
+            scope = self._scopes.get(p)  # the module whose layers it was found to scale
             where = f" in '{scope}'" if scope is not None else ""
             first, least = layout.layers[named[0]], float(rms[named].min() / median)
             listed = ", ".join(repr(layout.layers[i]) for i in named[:3]) + (", ..." if len(named) > 3 else "")
@@ -254,15 +256,20 @@ def _candidates(layout: Layout, sizes: np.ndarray) -> set[int]:
             and not name.rpartition(".")[2].startswith("bias") and sizes[p] <= GATE}
 
 
-def gates(layout: Layout, sizes: np.ndarray) -> dict[int, np.ndarray]:
-    """The parameters that scale the gradients of the layers beside them down (see ``GATE``): trainable,
-    not a bias, owned below the root, values' RMS at most ``GATE``; each with the indices of those layers.
-    """
+def _scoped(layout: Layout, sizes: np.ndarray) -> dict[int, str | None]:
+    """Each gate parameter (see ``_candidates``) and its scope (see ``_scope``), in parameter order."""
     found = _candidates(layout, sizes)
     gated = frozenset(layer for layer, q in layout.owners if q in found)
+    return {p: _scope(layout, p, gated) for p in sorted(found)}
+
+
+def gates(layout: Layout, sizes: np.ndarray, scoped: dict[int, str | None] | None = None) -> dict[int, np.ndarray]:
+    """The parameters that scale the gradients of the layers beside them down (see ``GATE``): trainable,
+    not a bias, owned below the root, values' RMS at most ``GATE``; each with the indices of those layers.
+    ``scoped``: :func:`_scoped`'s answer, when the caller has it.
+    """
     out: dict[int, np.ndarray] = {}
-    for p in sorted(found):
-        scope = _scope(layout, p, gated)
+    for p, scope in (_scoped(layout, sizes) if scoped is None else scoped).items():
         if scope is None:
             continue
         own = {layer for layer, q in layout.owners if q == p}
@@ -272,17 +279,17 @@ def gates(layout: Layout, sizes: np.ndarray) -> dict[int, np.ndarray]:
     return out
 
 
-def outer(layout: Layout, sizes: np.ndarray) -> dict[int, np.ndarray]:
+def outer(layout: Layout, sizes: np.ndarray, scoped: dict[int, str | None] | None = None) -> dict[int, np.ndarray]:
     """The gates of the whole model: gate parameters (see ``gates``) whose scope widens to the root, a leaf
     right under the root or a module holding nothing but gates (DiT's final layer: a zero-initialised
     Linear and its adaLN modulation; a zero-initialised head). Such a layer is the model's output layer
-    or a branch's end beside it; each with the indices of the layers that own it.
+    or a branch's end beside it; each with the indices of the layers that own it. ``scoped``: as for
+    :func:`gates`.
     """
-    found = _candidates(layout, sizes)
-    gated = frozenset(layer for layer, q in layout.owners if q in found)
+    scoped = _scoped(layout, sizes) if scoped is None else scoped
     out: dict[int, list[int]] = {}
     for layer, p in layout.owners:
-        if p in found and _scope(layout, p, gated) is None:
+        if p in scoped and scoped[p] is None:
             out.setdefault(p, []).append(layer)
     return {p: np.asarray(layers, dtype=np.int64) for p, layers in sorted(out.items())}
 
