@@ -343,4 +343,23 @@ def test_the_tutorials_outputs_in_its_source_are_what_it_prints(started: Started
     hook = _hook()
     shown = hook.shown_outputs((DOCS / "tutorial.md").read_text(encoding="utf-8"))
     future, _ = started["tutorial"]
-    assert future.result() == shown
+    printed = future.result()
+    assert set(printed) == set(shown)
+    for name, text in shown.items():  # a decimal's last digits vary with the CPU's threads (hook.agrees)
+        assert hook.agrees(text, printed[name]), f"{name}:\n{text}\n--- printed now ---\n{printed[name]}"
+
+
+def test_the_tutorials_outputs_agree_up_to_a_decimals_last_digits_and_no_further() -> None:
+    hook = _hook()
+    source = "step   0  loss 0.6580\nstep  40  loss 0.3168\nmin 1.20e-05 at step 60 in '2' (Linear)"
+    assert hook.agrees(source, source)
+    # the float noise of a run with more threads than cores (seen in CI)
+    assert hook.agrees(source, source.replace("0.3168", "0.3167").replace("1.20e-05", "1.22e-05"))
+    for changed in (source.replace("0.3168", "0.3268"),  # a loss that moved
+                    source.replace("1.20e-05", "1.30e-05"),
+                    source.replace("step  40", "step  41"),  # an integer: a step, a layer
+                    source.replace("'2'", "'3'"),
+                    source.replace("0.6580", "0.658"),  # printed to other digits
+                    source.replace("loss", "Loss"),
+                    source + "\nstep  80  loss 0.2291"):
+        assert not hook.agrees(source, changed), changed
