@@ -124,3 +124,31 @@ def test_healthy_model_zoo_is_quiet(name: str, run_dir: Path) -> None:
     found = gw.open_run(run_dir).findings()
     loud = found[found.severity != "info"]
     assert loud.empty, list(zip(loud.kind, loud.step, loud.layer, loud.message))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_trained_wholly_in_low_precision_is_quiet(dtype: torch.dtype, run_dir: Path) -> None:
+    """``model.to(torch.bfloat16)`` and plain Adam, no autocast: updates below half a weight's last digit
+    round to exactly 0 (a LayerNorm gain of 1.0 at lr 1e-3), which is not a learning rate of 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 4)).to(dtype)
+    gw.watch(model, run=run_dir, console=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)  # fp16's usual eps: 1e-8 is 0 in it
+    gen = torch.Generator().manual_seed(0)
+    x_all = torch.randn(4096, 32, generator=gen)
+    y_all = x_all[:, :4].argmax(1)
+    losses = []
+    for _ in range(STEPS):
+        i = torch.randint(0, 4096, (128,), generator=gen)
+        loss = nn.functional.cross_entropy(model(x_all[i].to(dtype)).float(), y_all[i])
+        opt.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        opt.step()
+        losses.append(float(loss.detach()))
+    gw.unwatch(model)
+    assert sum(losses[-20:]) < 0.7 * sum(losses[:20]), "the model learns"
+    found = gw.open_run(run_dir).findings()
+    loud = found[found.severity != "info"]
+    assert loud.empty, list(zip(loud.kind, loud.step, loud.layer, loud.message))

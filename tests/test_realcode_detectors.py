@@ -212,6 +212,16 @@ def test_nothing_moving_or_updates_too_small_to_tell_from_rounding_are_not_judge
     assert detector.check(record(lay, update_ratio=[5e-6, 0.0], grad_norm=[1.0, 1.0], param_norm=[1.0, 1.0])) == []
 
 
+def test_an_update_of_0_in_bfloat16_or_float16_is_rounding_not_a_learning_rate_of_0() -> None:
+    """Adam at lr 1e-3 moves a LayerNorm gain of 1.0 by less than half a bfloat16 digit (0.0039): 0."""
+    for eps, judged in ((float(torch.finfo(torch.float32).eps), True), (float(torch.finfo(torch.bfloat16).eps), False),
+                        (float(torch.finfo(torch.float16).eps), False)):
+        lay = dataclasses.replace(layout({"a": 100, "b": 100}), eps=(eps, eps))
+        found = UnoptimizedParameter().check(record(lay, update_ratio=[0.01, 0.0], grad_norm=[1.0, 1.0],
+                                                    param_norm=[1.0, 1.0]))
+        assert [f.data["reason"] for f in found] == (["zero_update"] if judged else []), eps
+
+
 # -------------------------------------------------------------------------- zero_gradient
 def test_every_gradient_exactly_zero_is_one_error_after_patience() -> None:
     lay = layout({"a": 10, "b": 10})

@@ -28,6 +28,10 @@ HINT_ZERO = (
 )
 #: the median update ratio below which an update of exactly 0 may just be rounding (float32 keeps ~7 digits)
 MOVING = 1e-4
+#: a parameter whose dtype's machine epsilon is above this (float16's 9.8e-4, bfloat16's 7.8e-3) rounds any
+#: update below half its weights' last digit to exactly 0 (Adam at lr 1e-3 on a LayerNorm gain of 1.0 in
+#: bfloat16): its updates of 0 are not judged
+FINE = float(np.finfo(np.float32).eps)
 #: a parameter whose gradient, relative to its weights, is below this fraction of the median one is not judged
 TINY = 1e-3
 #: per-parameter vector, when the record carries it: 1 where an optimizer that stepped the model holds the
@@ -45,7 +49,8 @@ class UnoptimizedParameter(Detector):
     update is exactly zero (a param group with learning rate 0), judged while the rest of the model
     moves (its median layer's update ratio is at least 1e-4: below that, an update of exactly 0 may
     be float32 rounding of a too-low learning rate; likewise a parameter whose gradient, relative
-    to its weights, is below 1e-3 of the median one is not judged).
+    to its weights, is below 1e-3 of the median one is not judged; nor is the update of a parameter in
+    float16 or bfloat16, which rounds any update below half its weights' last digit to 0).
     One finding for all the parameters found on the same step for the same reason, at the layer
     of the first of them; an error when the optimizers hold no trainable parameter at all (the run
     trains nothing), else a warning.
@@ -95,6 +100,8 @@ class UnoptimizedParameter(Detector):
         # has its weights' norm measured, so a ratio of NaN is an update that was not
         unheld = np.isnan(ratio) if held is None else held == 0
         left_out = trainable & np.isfinite(grad) & (grad > 0) & unheld
+        if len(layout.eps) == len(ratio):  # low precision rounds small updates to 0: not a learning rate of 0
+            judged &= np.asarray(layout.eps) <= FINE
         zero = judged & ~moved & (ratio == 0)
         # a step where nothing moves tells nothing about updates of 0: their counts stay as they were
         self._runs = np.where(left_out | zero, self._runs + 1, np.where(still & ~unheld, self._runs, 0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from gradwatch.errors import ConfigError
@@ -106,6 +107,7 @@ def discover(model: nn.Module, version: int) -> Discovered:
         leaves=tuple(leaves),
         saturating=tuple(saturating),
         trainable=tuple(p.requires_grad for p in params),
+        eps=tuple(float(torch.finfo(p.dtype).eps) if p.is_floating_point() else 0.0 for p in params),
     )
     return Discovered(layout, params, leaf_modules)
 

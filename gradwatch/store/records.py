@@ -51,6 +51,8 @@ class Layout:
         leaves: indices of leaf layers (those with activation statistics).
         saturating: indices of leaf layers whose outputs are bounded (sigmoid/tanh family).
         trainable: for each parameter, whether it required a gradient when discovered.
+        eps: for each parameter, its dtype's machine epsilon when discovered (float32's 1.2e-7, bfloat16's
+            7.8e-3; empty when not known: read from a run stored before it was kept).
     """
 
     version: int
@@ -63,6 +65,7 @@ class Layout:
     leaves: tuple[int, ...]
     saturating: tuple[int, ...] = ()
     trainable: tuple[bool, ...] = ()
+    eps: tuple[float, ...] = ()
 
     def names(self, scope: str) -> tuple[str, ...]:
         """The entry names of a scope (``"layer"`` or ``"param"``)."""
