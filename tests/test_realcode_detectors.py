@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import gradwatch as gw
 from gradwatch import detectors
@@ -376,3 +377,35 @@ def test_a_learning_rate_named_too_high_whose_loss_diverges_is_an_error_once() -
     # named too high, then the loss fell: the warning stands alone
     found = _lr_run(LearningRate(), range(60), lambda s: 2.3 / (1 + s), lambda s: [5.0, 8.0] if s == 0 else [1e-3] * 2)
     assert [(f.step, f.severity) for f in found] == [(0, "warning")]
+
+
+def test_the_wrecked_runs_error_sends_the_restart_to_before_the_raise_not_to_a_later_mention(tmp_path: Path) -> None:
+    """A learning rate raised 1000x at step 53: the spike at 54 names the raise; the explosions after it mention
+    it again, and the error must still say where the weights were last sound (before step 53)."""
+    import gradwatch as gw
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    gw.watch(model, run=tmp_path / "run", console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+    x_all = torch.randn(4096, 20, generator=gen)
+    y_all = x_all[:, :5].argmax(1)
+    for step in range(100):
+        if step == 53:
+            opt.param_groups[0]["lr"] *= 1000
+        i = torch.randint(0, 4096, (64,), generator=gen)
+        loss = nn.functional.cross_entropy(model(x_all[i]), y_all[i])
+        opt.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        opt.step()
+    gw.unwatch(model)
+    found = gw.open_run(tmp_path / "run").findings()
+    first = found[found.message.str.contains("raised 1e\\+03x at step 53")]
+    assert len(first) and first.step.min() == 54, list(zip(found.kind, found.step, found.message))
+    error = found[found.severity == "error"]
+    assert list(error.kind) == ["learning_rate"], list(zip(found.kind, found.step, found.message))
+    assert error.iloc[0].data["named_at"] == 54 and error.iloc[0].data["restart_before"] == 53
+    assert "named at step 54 (raised at step 53)" in error.iloc[0].message
+    assert error.iloc[0].message.endswith("restart from before step 53.")

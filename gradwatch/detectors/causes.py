@@ -40,6 +40,9 @@ class Causes:
 
     def __init__(self) -> None:
         self._named: dict[str, int] = {}
+        #: per cause, where its latest episode began: (the step it was first named at, the step it began at: a
+        #: learning rate's raise) -- an episode lasts while the cause is named again within QUIET_STEPS
+        self._began: dict[str, tuple[int, int]] = {}
         self._lr: dict[int, float] = {}  # the learning rate of the latest steps (seen by ``lr_of``)
         self._first: list[tuple[int, float]] = []  # the first finite losses, by step (``loss_of``)
         self._recent: deque[tuple[int, float]] = deque(maxlen=LEVEL_LOSSES)
@@ -86,13 +89,27 @@ class Causes:
                 return k, before, after
         return None
 
-    def note(self, cause: str, step: int) -> None:
-        """``cause`` was named by a finding at ``step``."""
-        self._named[cause] = step
+    def note(self, cause: str, step: int, since: int | None = None) -> None:
+        """``cause`` was named by a finding at ``step``; ``since``: the step it began at, when known (the
+        step whose learning rate was raised).
+        """
+        began = step if since is None else min(since, step)
+        if not self.named(cause, step) or cause not in self._began:  # a new episode
+            self._began[cause] = (step, began)
+        else:
+            first, start = self._began[cause]
+            self._began[cause] = (first, min(start, began))
+        self._named[cause] = max(step, self._named.get(cause, step))
 
     def when(self, cause: str) -> int | None:
         """The step ``cause`` was last named at (None: never)."""
         return self._named.get(cause)
+
+    def began(self, cause: str) -> tuple[int, int] | None:
+        """Where ``cause``'s latest episode began: the step it was first named at and the step it began
+        at (its raise, when a learning rate was raised; else the same step). None: never named.
+        """
+        return self._began.get(cause)
 
     def named(self, cause: str, step: int, within: int = QUIET_STEPS) -> bool:
         """Whether ``cause`` was named at most ``within`` steps before ``step``."""
@@ -119,7 +136,7 @@ def raised_lr(causes: Causes, step: int, data: dict[str, Any]) -> str:
     if found is None:
         return ""
     at, before, after = found
-    causes.note(LR_HIGH, step)
+    causes.note(LR_HIGH, step, since=at)
     data.update(cause="learning_rate", lr_raised_at=at, lr_before=before, lr=after, hint=HINT_RAISED)
     return (f" The learning rate was raised {after / before:.3g}x at step {at} ({before:.3g} -> {after:.3g}): "
             "the likely cause.")

@@ -196,10 +196,12 @@ class LearningRate(Detector):
 
     def _lost_run(self, record: StepRecord) -> list[Finding]:
         """An error, once: the learning rate named too high, and the run diverged or never learned since."""
-        named = self.causes.when(LR_HIGH)
+        last, began = self.causes.when(LR_HIGH), self.causes.began(LR_HIGH)
         levels = self.causes.loss_levels()
-        if self._lost or named is None or levels is None or not 0 <= record.step - named <= QUIET_STEPS + self.confirm:
+        if self._lost or last is None or began is None or levels is None \
+                or not 0 <= record.step - last <= QUIET_STEPS + self.confirm:
             return []
+        named, since = began  # the episode's first finding, and its raise (the weights were sound before it)
         if record.step - named < self.confirm:
             return []
         start, level, _ = levels
@@ -219,9 +221,11 @@ class LearningRate(Detector):
         else:
             what = (f"the run has not learned since: the loss is {level:.4g} at step {record.step} (median of the last "
                     f"{LEVEL_LOSSES}), not below where it started ({start:.4g}) {record.step - named} steps later")
-        message = (f"learning rate too high{by}, named at step {named}: {what}. The weights are wrecked: lower the "
-                   f"learning rate and restart from before step {named}.")
+        raised = f" (raised at step {since})" if since < named else ""
+        message = (f"learning rate too high{by}, named at step {named}{raised}: {what}. The weights are wrecked: "
+                   f"lower the learning rate and restart from before step {since}.")
         data = {"direction": "high", "evidence": "diverged" if diverged else "no_progress", "named_at": named,
+                "restart_before": since,
                 "loss_level": level, "first": start, "lr": record.scalars.get("lr"), "cause": "learning_rate",
                 "hint": HINT_LOST}
         return [self.finding(record, "error", layer, message, value=level, data=data)]

@@ -140,8 +140,10 @@ def findings(db: Path, rows: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]
     return out
 
 
-def layout_info(db: Path, version: int, text: Any, layers: int, params: int) -> tuple[Any, Any, Any]:
-    """(owners, saturating, trainable) of a layout, checked against its numbers of layers and parameters."""
+def layout_info(db: Path, version: int, text: Any, layers: int, params: int) -> tuple[Any, Any, Any, Any]:
+    """(owners, saturating, trainable, eps) of a layout, checked against its numbers of layers and parameters
+    (``eps`` empty for a run stored before it was kept).
+    """
     what = f"the layout {version}"
     info = json_text(db, what, text)
     if not isinstance(info, dict):
@@ -150,10 +152,12 @@ def layout_info(db: Path, version: int, text: Any, layers: int, params: int) -> 
         owners = tuple((int(a), int(b)) for a, b in info["owners"])
         saturating = tuple(int(i) for i in info["saturating"])
         trainable = tuple(bool(t) for t in info["trainable"])
+        eps = tuple(float(e) for e in info.get("eps", ()))
     if any(not (0 <= a < layers and 0 <= b < params) for a, b in owners) or \
-            any(not 0 <= i < layers for i in saturating) or len(trainable) not in (0, params):
+            any(not 0 <= i < layers for i in saturating) or len(trainable) not in (0, params) or \
+            len(eps) not in (0, params):
         raise damaged(db, f"{what} refers to layers or parameters it does not have")
-    return owners, saturating, trainable
+    return owners, saturating, trainable, eps
 
 
 def vector(db: Path, codec: Any, data: Any, mask: Any, n: int) -> tuple[np.ndarray, np.ndarray]:

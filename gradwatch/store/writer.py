@@ -185,7 +185,8 @@ class StoreWriter:
             (layout.version, PARAM, i, name, "Parameter", n, False)
             for i, (name, n) in enumerate(zip(layout.params, layout.param_numel))
         ]
-        extra = {"owners": layout.owners, "saturating": layout.saturating, "trainable": layout.trainable}
+        extra = {"owners": layout.owners, "saturating": layout.saturating, "trainable": layout.trainable,
+                 "eps": layout.eps}
         self._conn.execute("INSERT OR IGNORE INTO layouts VALUES (?, ?)", (layout.version, step))
         self._conn.execute("INSERT OR REPLACE INTO layout_info VALUES (?, ?)", (layout.version, json.dumps(extra)))
         self._conn.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
