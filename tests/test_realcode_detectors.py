@@ -409,3 +409,34 @@ def test_the_wrecked_runs_error_sends_the_restart_to_before_the_raise_not_to_a_l
     assert error.iloc[0].data["named_at"] == 54 and error.iloc[0].data["restart_before"] == 53
     assert "named at step 54 (raised at step 53)" in error.iloc[0].message
     assert error.iloc[0].message.endswith("restart from before step 53.")
+
+
+def test_an_embedding_row_gone_nan_is_one_finding_for_the_whole_stretch(tmp_path: Path) -> None:
+    """One row of an embedding becomes NaN at step 15 (written outside a step); batches that miss the row
+    stay finite, the weights do not: one nonfinite finding with its repeats, and no claim that the
+    embedding is in no optimizer (its update ratio is NaN because its weights are)."""
+    import gradwatch as gw
+
+    torch.manual_seed(0)
+    vocab = 100
+    model = nn.Sequential(nn.Embedding(vocab, 16), nn.Linear(16, vocab))
+    gw.watch(model, run=tmp_path / "run", console=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(80):
+        x = torch.randint(0, vocab, (8,), generator=gen)
+        if step == 15:
+            x[0] = 7
+            with torch.no_grad():
+                model[0].weight[7] = float("nan")
+        loss = nn.functional.cross_entropy(model(x), (x * 3) % vocab)
+        opt.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        opt.step()
+    gw.unwatch(model)
+    found = gw.open_run(tmp_path / "run").findings()
+    assert [(f.kind, f.step, f.layer) for f in found.itertuples()] == [("nonfinite", 15, "0")], \
+        list(zip(found.kind, found.step, found.message))
+    data = found.iloc[0].data
+    assert data["lasting"] == "weights NaN/Inf from step 15" and data["repeats"] >= 3 and data["last_step"] > 50

@@ -77,7 +77,11 @@ class NonFinite(Detector):
         if act is not None:
             bad_act = present(record, "layer", "act_norm") & ~np.isfinite(act)
         if not (bad_loss or bad_forward or bad_grads or bad_act.any()):
-            self._poisoned = None  # a finite step: its weights are finite again (restored)
+            # a finite step is not finite weights: batches that miss an embedding's NaN row are finite; the
+            # weights are finite again (restored) when their norms, measured on sampled steps, say so
+            weights = record.vector("param_norm", PARAM)
+            if weights is not None and np.isfinite(weights[present(record, PARAM, "param_norm")]).all():
+                self._poisoned = None
             return []
         origin = dict(record.origin or {})
         if origin.get("source") == "weights":

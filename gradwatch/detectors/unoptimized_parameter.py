@@ -98,7 +98,8 @@ class UnoptimizedParameter(Detector):
         # not in any optimizer that stepped the model (one did: the update was measured), known whatever its
         # weights (a LoRA B matrix starts at 0) and whether or not the rest moves: a parameter with a gradient
         # has its weights' norm measured, so a ratio of NaN is an update that was not
-        unheld = np.isnan(ratio) if held is None else held == 0
+        # (weights that hold NaN/Inf give a ratio of NaN too, measured or not: nonfinite's finding, not this one's)
+        unheld = (np.isnan(ratio) & np.isfinite(weights)) if held is None else held == 0
         left_out = trainable & np.isfinite(grad) & (grad > 0) & unheld
         if len(layout.eps) == len(ratio):  # low precision rounds small updates to 0: not a learning rate of 0
             judged &= np.asarray(layout.eps) <= FINE
