@@ -440,3 +440,51 @@ def test_an_embedding_row_gone_nan_is_one_finding_for_the_whole_stretch(tmp_path
         list(zip(found.kind, found.step, found.message))
     data = found.iloc[0].data
     assert data["lasting"] == "weights NaN/Inf from step 15" and data["repeats"] >= 3 and data["last_step"] > 50
+
+
+def _dropping_nan_batches(run: Path | None, bad: int) -> list[float]:
+    """A loop that drops a NaN batch itself (``if not torch.isfinite(loss): continue``, before backward)."""
+    import gradwatch as gw
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    if run is not None:
+        gw.watch(model, run=run, console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for batch in range(60):
+        x = torch.randn(16, 8, generator=gen)
+        y = 2 * x[:, :1]
+        if batch == bad:
+            x[3, 2] = float("nan")
+        loss = nn.functional.mse_loss(model(x), y)
+        if not torch.isfinite(loss):
+            continue
+        opt.zero_grad()
+        loss.backward()
+        if run is not None:
+            gw.watcher(model).observe(loss=loss)
+        opt.step()
+        losses.append(loss.item())
+    if run is not None:
+        gw.unwatch(model)
+    return losses
+
+
+@pytest.mark.parametrize("bad", [30, 33])  # its forward joins a sampled step's (30), or an unsampled one's
+def test_a_nan_batch_the_loop_drops_itself_costs_no_healthy_step(tmp_path: Path, bad: int) -> None:
+    """The dropped batch's forward joins the next step's, whose loss and gradients are finite: its update is
+    sound and the default rules must not skip it (they did: a healthy batch's update lost)."""
+    import gradwatch as gw
+
+    assert _dropping_nan_batches(tmp_path / "run", bad) == _dropping_nan_batches(None, bad)
+    found = gw.open_run(tmp_path / "run").findings()
+    loud = found[found.severity != "info"]
+    assert all(loud.severity == "warning") and all(loud.action == "warn"), list(zip(loud.kind, loud.action))
+    if len(loud):  # seen where the activations were measured: said for what it is
+        assert list(zip(loud.kind, loud.step)) == [("nonfinite", bad)]
+        assert loud.iloc[0].data["reached_update"] is False
+        assert "the NaN/Inf reached neither, so its update is sound" in loud.iloc[0].message
+    if bad == 30:
+        assert len(loud) == 1

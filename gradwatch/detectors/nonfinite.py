@@ -112,6 +112,14 @@ class NonFinite(Detector):
                             "ones beyond ~1e19)")
         message = (words.nonfinite_message(origin, record.step, what)  # the op, line, cause and samples
                    or f"{_where(origin)} at step {record.step}: {', '.join(what)}.")
+        # activations alone, with a finite loss and finite gradients: the NaN/Inf reached no update (a forward
+        # call whose output no backward pass used: a batch the loop dropped itself), so the step is sound
+        unused = not (bad_loss or bad_forward or bad_grads) and record.gradients_finite() \
+            and origin.get("source") != "weights"
+        if unused:
+            message += (" The step's loss and every gradient are finite: the NaN/Inf reached neither, so its update "
+                        "is sound (a forward call whose output no backward pass used, as when a loop drops a "
+                        "NaN batch itself, or values masked away downstream).")
         data: dict[str, Any] = {
             "origin": origin.get("how", "attributed"),
             "type": origin.get("type"),
@@ -125,8 +133,10 @@ class NonFinite(Detector):
         data.update(words.data(origin))
         if self._poisoned is not None and origin.get("source") == "weights":
             data["lasting"] = f"weights NaN/Inf from step {self._poisoned[0]}"  # one finding for the stretch
-        return [self.finding(record, "error", origin.get("layer"), message, value=float(bad_grads),
-                             phase=origin.get("phase"), data=data)]
+        if unused:
+            data["reached_update"] = False
+        return [self.finding(record, "warning" if unused else "error", origin.get("layer"), message,
+                             value=float(bad_grads), phase=origin.get("phase"), data=data)]
 
     def _weights(self, record: StepRecord, origin: dict[str, Any]) -> dict[str, Any]:
         """The origin of a step whose weights already held NaN/Inf, with the step whose update put them
