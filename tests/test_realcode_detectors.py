@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from gradwatch.detectors.learning_rate import LearningRate
 from gradwatch.detectors.loss_spike import LossSpike
 from gradwatch.detectors.unoptimized_parameter import HELD, UnoptimizedParameter
 from gradwatch.detectors.unused_parameter import group
+from gradwatch.detectors.vanishing import Vanishing
 from gradwatch.detectors.zero_gradient import ZeroGradient
 from gradwatch.store.records import CLOSURE_EVALUATIONS, LAYER, PARAM, Layout, StepRecord
 
@@ -488,3 +490,35 @@ def test_a_nan_batch_the_loop_drops_itself_costs_no_healthy_step(tmp_path: Path,
         assert "the NaN/Inf reached neither, so its update is sound" in loud.iloc[0].message
     if bad == 30:
         assert len(loud) == 1
+
+
+def _collapsing(losses: Callable[[int], float], rms: Callable[[int], float], steps: int = 120,
+                named_lr_at: int | None = None) -> list[Any]:
+    """A vanishing detector fed ``steps`` steps of three layers, every 10th sampled; the output layer keeps
+    a gradient of 1e-2 while the other two follow ``rms``."""
+    lay = layout({"enc": 100, "dec": 100, "out": 100})
+    detector = Vanishing()
+    found = []
+    for step in range(steps):
+        if step == named_lr_at:
+            detector.causes.note(LR_HIGH, step)
+        rec = record(lay, step, scalars={"loss": losses(step), "lr": 1e-3}, grad_norm=[10 * rms(step)] * 2 + [0.1])
+        rec.sampled = step % 10 == 0
+        detector.causes.loss_of(rec)
+        found += detector.check(rec)
+    return found
+
+
+def test_a_model_whose_gradients_collapse_while_its_loss_stalls_is_named_once() -> None:
+    collapse = lambda s: 1e-2 if s < 20 else 1e-6  # noqa: E731
+    found = _collapsing(lambda s: 2.6 + 0.01 * (s % 3) if s > 5 else 3.5, collapse)
+    assert [(f.step, f.severity, f.layer, f.data["evidence"]) for f in found] == [(40, "warning", None, "collapse")]
+    assert found[0].data["learning"] == ["out"] and found[0].data["early_rms"] == pytest.approx(1e-2)
+    # the same fall of the gradients with a loss that fell with them: a model that converged
+    assert _collapsing(lambda s: 3.5 * 0.9 ** s, collapse) == []
+    # a stalled loss with gradients 10x smaller: not a collapse
+    assert _collapsing(lambda s: 2.6, lambda s: 1e-2 if s < 20 else 1e-3) == []
+    # the learning rate named too high already: the collapse is its doing, said there
+    assert _collapsing(lambda s: 2.6, collapse, named_lr_at=15) == []
+    # the loss not observed: not judged
+    assert _collapsing(lambda s: float("nan"), collapse) == []

@@ -104,6 +104,21 @@ def test_seq2seq_noam_factor_100x_is_named_then_failed_as_a_run_that_never_learn
     assert [(f["kind"], f["step"], f["layer"], f["severity"]) for f in report["findings"]] == summary(found)
 
 
+@pytest.mark.slow
+def test_seq2seq_noam_factor_10x_collapses_to_the_unigram_loss_and_is_named(tmp_path: Path) -> None:
+    """Peak Adam lr 0.14: the loss falls to 2.6 (the unigram level; healthy runs reach 1.5) and stays; the
+    median layer's gradient falls ~2,000x while only the output end still learns. Nothing was said of it."""
+    result = train(seq2seq, tmp_path / "run", steps=200, lr_scale=10)
+    assert min(result.losses[100:]) > 2.4, "the plant: the run stalls at the unigram level"
+    found = loud(result)
+    assert summary(found) == [("vanishing", 110, None, "warning")]
+    data = found[0]["data"]
+    assert data["evidence"] == "collapse" and data["early_rms"] / data["median_rms"] > 1000
+    assert data["learning"] == ["transformer.decoder.norm", "generator"]
+    assert found[0]["message"].startswith("the gradients of the whole model collapsed: the median layer's RMS is ")
+    assert check(tmp_path / "run", "--fail-on", "warning")[0] == 1
+
+
 def test_seq2seq_batch_of_blank_targets_is_a_nan_loss_born_in_the_loss_function(tmp_path: Path) -> None:
     """Every target of step 30's batch is padding: CrossEntropyLoss(ignore_index=PAD) averages over no token (0/0)."""
     aside = unwatched_aside(seq2seq, steps=34, blank_targets_at=30)
