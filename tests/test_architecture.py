@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rootcause", ("gradwatch.rootcause",)),
     ("store", ("gradwatch.store", "gradwatch.sinks")),
     ("base", ("gradwatch.errors", "gradwatch.version", "gradwatch.encoding", "gradwatch.files", "gradwatch.plugins",
-              "gradwatch.wording", "gradwatch.guard", "gradwatch.register", "gradwatch.unpickled")),
+              "gradwatch.wording", "gradwatch.guard", "gradwatch.register", "gradwatch.unpickled",
+              "gradwatch.parametrized")),
 ]
 
 

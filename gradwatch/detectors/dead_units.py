@@ -27,6 +27,13 @@ CARRIERS = frozenset({
 })
 
 
+def _carrier(type_: str) -> bool:
+    """Whether a leaf of this type only carries zeros: a parametrized ``Linear`` (weight_norm's or a
+    sparsifier's ``ParametrizedLinear``) does as a ``Linear`` does.
+    """
+    return type_.removeprefix("Parametrized") in CARRIERS
+
+
 @dataclass
 class DeadUnits(Detector):
     """A leaf whose fraction of exactly-zero outputs is at least ``threshold`` on ``patience``
@@ -106,12 +113,12 @@ class DeadUnits(Detector):
         """The leaf whose outputs a functional ReLU zeroed before they reached carrier leaf ``i``, if found."""
         layout = record.layout
         grad = record.vector("grad_norm")
-        if layout.layer_types[i] not in CARRIERS or grad is None or not self._fed_zeros(record, i):
+        if not _carrier(layout.layer_types[i]) or grad is None or not self._fed_zeros(record, i):
             return None
         before = [j for j in layout.leaves if j < i and seen[j]]
         for j in reversed(before):
             if values[j] >= self.threshold:
-                if layout.layer_types[j] not in CARRIERS:
+                if not _carrier(layout.layer_types[j]):
                     return j  # the zeros were made by that leaf (an nn.ReLU): its own finding says so
                 continue  # carries the same zeros
             return j if layout.layer_numel[j] > 0 and grad[j] == 0 else None

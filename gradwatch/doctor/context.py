@@ -17,6 +17,7 @@ from torch.autograd import Function
 from gradwatch.doctor.results import RELU_FAMILY, DoctorOptions, LossFn
 from gradwatch.doctor.target import _map_tensors, _one_line, compute_loss
 from gradwatch.errors import ConfigError
+from gradwatch.parametrized import computing, is_leaf, own_parameters
 from gradwatch.step.layout import bounds
 from gradwatch.step.origin import tensors
 from gradwatch.store.records import ROOT
@@ -176,8 +177,9 @@ def _run_probe(ctx: _Context) -> Probe:
     trainable = [n for n, p in named if p.requires_grad]
     canonical = {id(p): n for n, p in named}  # a tied parameter has one name, and counts in each owner
     layers = []
+    inside = computing(model)  # a parametrized module's originals are its own; the modules computing them no layers
     for name, module in model.named_modules():
-        owned = [canonical[id(p)] for p in module.parameters(recurse=False) if p.requires_grad]
+        owned = [canonical[id(p)] for p in own_parameters(module) if p.requires_grad and id(module) not in inside]
         if owned:
             layers.append((name or ROOT, owned))
     return Probe(
@@ -197,15 +199,17 @@ class _ActivationRecorder:
     """
 
     def __init__(self, model: nn.Module, types: dict[str, str]) -> None:
-        self.modules = [(name or ROOT, m) for name, m in model.named_modules()]
+        inside = computing(model)  # a parametrization's output is its module's weight: named after that module
+        self.modules = [((inside[id(m)][0] if id(m) in inside else name) or ROOT, m, is_leaf(m, inside))
+                        for name, m in model.named_modules()]
         self.types = types
         self.stats: dict[str, _Activation] = {}
         self.first_nonfinite: tuple[str, bool] | None = None  # (module, whether its inputs were finite)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> _ActivationRecorder:
-        for name, module in self.modules:
-            self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
+        for name, module, leaf in self.modules:
+            self._handles.append(module.register_forward_hook(self._hook(name, leaf), with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -213,12 +217,12 @@ class _ActivationRecorder:
             handle.remove()
         self._handles.clear()
 
-    def _hook(self, name: str) -> Callable[[nn.Module, Any, Any, Any], None]:
+    def _hook(self, name: str, leaf: bool) -> Callable[[nn.Module, Any, Any, Any], None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             with torch.no_grad():
                 if self.first_nonfinite is None and not _finite(output):
                     self.first_nonfinite = (name, _finite(args) and _finite(kwargs))
-                if next(module.children(), None) is None:
+                if leaf:
                     self._observe(name, module, output)
 
         return hook

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwatch.parametrized import layers_of
 from gradwatch.rootcause import cause, nodes, ops
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.locate import Located
@@ -69,10 +70,12 @@ def poisoned(model: nn.Module) -> dict[str, Any] | None:
     bad = [n for (n, _), fine in zip(named, ok) if not fine]
     if not bad:
         return None
-    owners: dict[str, tuple[str, str]] = {}  # parameter name -> (its module's path, the module's class)
+    owners: dict[str, tuple[str, str]] = {}  # parameter name -> (its layer's path, the layer's class)
+    of = layers_of(model)  # a parametrization's original is its parametrized module's
     for path, module in model.named_modules():
+        at, owner = of[id(module)]
         for name, _ in module.named_parameters(recurse=False):
-            owners.setdefault(f"{path}.{name}" if path else name, (path or ROOT, type(module).__name__))
+            owners.setdefault(f"{path}.{name}" if path else name, (at or ROOT, type(owner).__name__))
     layers = list(dict.fromkeys(owners.get(n, (ROOT, ""))[0] for n in bad))
     first = owners.get(bad[0], (ROOT, type(model).__name__))
     root = {"cause": cause.WEIGHTS, "params": bad[:cause.NAMED], "params_nonfinite": len(bad),

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwatch.parametrized import layers_of
 from gradwatch.rootcause.capture import KEEP_GRADS, Capture
 from gradwatch.rootcause.state import finite, first_tensor
 from gradwatch.store.records import ROOT
@@ -78,7 +79,7 @@ def locate(model: nn.Module, cap: Capture, loss_finite: bool) -> Located | None:
     Returns:
         where the NaN/Inf was born, or None when this replay stayed finite.
     """
-    names = {id(m): (name or ROOT) for name, m in model.named_modules()}
+    layers = layers_of(model)  # a parametrization's NaN/Inf is its parametrized module's
     calls: dict[int, int] = {}
     forward: list[tuple[nn.Module, int, bool, bool, Any]] = []
     backward: list[tuple[nn.Module, bool, bool, Any]] = []
@@ -93,7 +94,8 @@ def locate(model: nn.Module, cap: Capture, loss_finite: bool) -> Located | None:
         backward.append((module, finite(grad_output), finite(grad_input), grad_output))
 
     def at(phase: str, module: nn.Module, **extra: Any) -> Located:
-        return Located(phase, module, names[id(module)], type(module).__name__, **extra)
+        name, owner = layers[id(module)]
+        return Located(phase, module, name or ROOT, type(owner).__name__, **extra)
 
     if not finite(cap.args, cap.kwargs):
         return Located("forward", source="input")

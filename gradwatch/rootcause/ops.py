@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradwatch.parametrized import layers_of
 from gradwatch.rootcause import facts
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.frames import Line, user_line
@@ -162,7 +163,7 @@ def search(model: nn.Module, cap: Capture, located: Located, rng: Rng) -> tuple[
         ``kwargs`` and the ``rng`` state it started from.
     """
     assert located.module is not None
-    target, names = located.module, {id(m): (n or ROOT) for n, m in model.named_modules()}
+    target, names = located.module, {k: (n or ROOT) for k, (n, _) in layers_of(model).items()}
     stack: list[str] = []
     calls = [0]
     call: dict[str, Any] = {}

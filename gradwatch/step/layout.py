@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gradwatch.errors import ConfigError
+from gradwatch.parametrized import computing, is_leaf, own_parameters
 from gradwatch.store.records import ROOT, Layout
 
 #: output bounds of activations that saturate
@@ -57,6 +58,9 @@ class Discovered:
 def discover(model: nn.Module, version: int) -> Discovered:
     """Enumerate layers (modules owning parameters, and leaves) and parameters of a model.
 
+    A parametrized module (``torch.nn.utils.parametrize``) is one layer that owns its parametrizations'
+    parameters, and a leaf when they are its only children; the modules that compute its weight are no layers.
+
     Raises:
         ConfigError: the model has no parameter that requires a gradient.
     """
@@ -81,17 +85,20 @@ def discover(model: nn.Module, version: int) -> Discovered:
     saturating: list[int] = []
     owners: list[tuple[int, int]] = []
     leaf_modules: list[tuple[int, nn.Module]] = []
+    inside = computing(inner)
     for name, module in inner.named_modules():
-        own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
-        is_leaf = next(iter(module.children()), None) is None
-        if not own and not is_leaf:
+        if id(module) in inside:
+            continue  # computes a parametrized module's weight: its parameters are that module's
+        own = [index[id(p)] for p in own_parameters(module) if id(p) in index]
+        leaf = is_leaf(module, inside)
+        if not own and not leaf:
             continue
         i = len(layers)
         layers.append(name or ROOT)
         types.append(type(module).__name__)
         numel.append(sum(params[j].numel() for j in set(own)))
         owners.extend((i, j) for j in dict.fromkeys(own))
-        if is_leaf:
+        if leaf:
             leaves.append(i)
             leaf_modules.append((i, module))
             if bounds(module) is not None:
