@@ -8,6 +8,7 @@ import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import LR_HIGH
+from gradwatch.detectors.collapse import Collapse
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import PARAM, ROOT, Layout, StepRecord
 from gradwatch.wording import layer as _layer
@@ -30,22 +31,6 @@ GATE = 1e-3
 #: a small layer under a gate is explained by it while its RMS, relative to the median layer's, is at
 #: least this times the gate's RMS (its gradient is the gate times an ordinary one)
 EXPLAINED = 1e-2
-#: the steps whose median layer RMS makes a run's early gradient size (the median of them)
-EARLY_STEPS = 5
-#: sampled steps in a row on which the model's gradients must be collapsed before it is reported
-COLLAPSED_SAMPLES = 3
-#: a layer whose RMS is at least this fraction of the early median still learns (named in a collapse)
-ALIVE = 0.1
-#: a loss whose level is at least this fraction of where it started has not fallen much: a collapse then
-#: is not convergence (a classifier that converges has its gradients fall 10,000x, with its loss)
-STALLED = 0.5
-HINT_COLLAPSE = (
-    "lower the learning rate (by 10x to start with) or lengthen its warmup: a collapse after the first steps is "
-    "most often updates too large for the model (saturated softmax/attention, units pushed dead, normalisation "
-    "layers that absorb everything); then check the initialisation"
-)
-
-
 @dataclass
 class Vanishing(Detector):
     """A layer whose gradient RMS (norm / sqrt(numel)) stays below ``absolute``, or below
@@ -70,6 +55,9 @@ class Vanishing(Detector):
         absolute: RMS below this is negligible whatever the other layers do.
         relative: RMS below this fraction of the median layer's RMS is negligible.
         patience: consecutive steps (with a gradient) before it is reported.
+        collapse: the whole model's gradients collapsed when the median layer's RMS is below this
+            fraction of its first steps' while the loss has stalled (see
+            :class:`~gradwatch.detectors.collapse.Collapse`); 0 turns it off.
     """
 
     kind = "vanishing"
@@ -78,10 +66,7 @@ class Vanishing(Detector):
     relative: float = 1e-4
     patience: int = 10
     collapse: float = 1e-2
-    _early: list[float] = field(default_factory=list, init=False, repr=False)  # the first steps' median RMS
-    _collapsed: int = field(default=0, init=False, repr=False)  # sampled steps in a row collapsed
-    _told_collapse: bool = field(default=False, init=False, repr=False)
-    _top_lr: float = field(default=0.0, init=False, repr=False)
+    _collapse: Collapse = field(default_factory=Collapse, init=False, repr=False)
     _runs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), init=False, repr=False)
     _version: int = field(default=-1, init=False, repr=False)
     _layout: Layout | None = field(default=None, init=False, repr=False)  # the layout of the latest version
@@ -100,7 +85,7 @@ class Vanishing(Detector):
 
     def check(self, record: StepRecord) -> list[Finding]:
         """Count consecutive negligible steps per layer; report a layer when it reaches patience (and a
-        model whose gradients collapsed while its loss stalled: :meth:`_collapse`).
+        model whose gradients collapsed while its loss stalled: :class:`~gradwatch.detectors.collapse.Collapse`).
         """
         norm = record.vector("grad_norm")
         if record.skipped or norm is None:
@@ -128,7 +113,8 @@ class Vanishing(Detector):
         if not finite and np.isinf(rms).any():
             return []  # an overflowing gradient norm is the exploding detector's
         has = np.isfinite(rms) & self._sized
-        collapsed = self._collapse(record, rms, has) if self.collapse > 0 else []
+        said = self._collapse.check(record, rms, has, self.collapse, dead=self._dead, causes=self.causes)
+        collapsed = [self.finding(record, "warning", None, said[0], value=said[1], data=said[2])] if said else []
         measured = rms[has]
         if len(measured):
             low = measured.min()
@@ -179,59 +165,6 @@ class Vanishing(Detector):
             out.append(self.finding(record, "warning", name, message, value=float(ratio),
                                     data={"rms": float(rms[i]), "median_rms": median, "hint": HINT}))
         return out
-
-    def _collapse(self, record: StepRecord, rms: np.ndarray, has: np.ndarray) -> list[Finding]:
-        """The whole model's gradients collapsed while its loss stalled: said once.
-
-        The median layer's RMS of the first ``EARLY_STEPS`` steps is the run's early gradient size.
-        On ``COLLAPSED_SAMPLES`` sampled steps in a row, the median layer's RMS is below ``collapse``
-        times it, and the loss's level (the median of its latest values) is still at least
-        ``STALLED`` of where it started: the layers pass next to no gradient back while there is
-        plenty left to learn (a seq2seq transformer at 10x its learning rate: its loss stops at the
-        unigram level, its median gradient falls 10,000x). A converged model's gradients fall as
-        far, with its loss; a loss without a scale (ever zero or negative) or not observed is not
-        judged, nor is a collapse within 100 steps of a learning rate named too high (its doing,
-        already said) or while a leaf is dead (``dead_units``').
-        """
-        lr = record.scalars.get("lr")
-        if lr is not None and np.isfinite(lr):
-            self._top_lr = max(self._top_lr, float(lr))
-        alive = has & (rms > 0)
-        if self._told_collapse or not alive.any():
-            return []
-        if len(self._early) < EARLY_STEPS:
-            self._early.append(_median(rms[alive]))
-            return []
-        if not record.sampled:
-            return []
-        early, median = _median(np.asarray(self._early)), _median(rms[alive])
-        levels = self.causes.loss_levels()
-        stalled = levels is not None and levels[1] >= STALLED * levels[0]
-        if not (median < self.collapse * early and stalled) or self._dead or self.causes.named(LR_HIGH, record.step):
-            self._collapsed = 0
-            return []
-        self._collapsed += 1
-        if self._collapsed < COLLAPSED_SAMPLES:
-            return []
-        assert levels is not None
-        self._told_collapse = True
-        layout = record.layout
-        learning = [i for i in np.flatnonzero(alive & (rms >= ALIVE * early))]
-        start, level, _ = levels
-        still = ""
-        if learning:
-            named = ", ".join(_layer(layout.layers[i], layout.layer_types[i]) for i in learning[:3])
-            still = (f" Only {named}{' and more' if len(learning) > 3 else ''} still "
-                     f"{'gets' if len(learning) == 1 else 'get'} a gradient of their early size.")
-        top = f" (it reached {self._top_lr:.3g})" if self._top_lr > 0 else ""
-        message = (f"the gradients of the whole model collapsed: the median layer's RMS is {median:.2g} at step "
-                   f"{record.step}, {early / median:,.0f}x below its first steps' {early:.2g}, while the loss has "
-                   f"stalled at {level:.4g} (it started at {start:.4g}): the model has stopped learning.{still} "
-                   f"Most often the learning rate is too high for it{top}: lower it or lengthen its warmup.")
-        data = {"evidence": "collapse", "median_rms": median, "early_rms": early, "loss_level": level,
-                "first": start, "learning": [layout.layers[i] for i in learning][:20], "lr_peak": self._top_lr or None,
-                "hint": HINT_COLLAPSE}
-        return [self.finding(record, "warning", None, message, value=float(median / early), data=data)]
 
     def _reset(self, has: np.ndarray) -> None:
         """Nothing is small: every count is reset where there is a gradient."""
