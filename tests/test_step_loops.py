@@ -272,6 +272,36 @@ def test_a_gradient_penalty_taken_before_the_gradients_are_cleared_is_not_a_stal
     assert stale["step"].tolist() == ([] if clear else [2])
 
 
+@pytest.mark.parametrize("style", ["hand_set", "maml"])
+def test_gradients_taken_with_autograd_grad_of_the_parameters_are_not_stale(tmp_path: Path, style: str) -> None:
+    """``torch.autograd.grad(loss, params)`` writes no ``.grad``: a trainer that sets ``p.grad = g`` by hand
+    (no zero_grad needed: it replaces them), or MAML's inner step taken before ``zero_grad(); backward()``,
+    applies fresh gradients every step (they were called stale: torch refuses to say whether the engine
+    runs a leaf's node under autograd.grad, and that refusal was read as "it adds to .grad")."""
+    torch.manual_seed(0)
+    model = gw.watch(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)), run=tmp_path / "run",
+                     console=False)
+    params = dict(model.named_parameters())
+    opt = torch.optim.Adam(params.values(), 1e-3)
+    for _ in range(8):
+        x = torch.randn(8, 4)
+        if style == "hand_set":
+            loss = nn.functional.mse_loss(model(x), x[:, :1])
+            for p, g in zip(params.values(), torch.autograd.grad(loss, list(params.values()))):
+                p.grad = g
+        else:
+            inner = nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), x[:, :1])
+            grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+            fast = {n: w - 0.01 * g for (n, w), g in zip(params.items(), grads)}
+            opt.zero_grad()
+            nn.functional.mse_loss(torch.func.functional_call(model, fast, (x,)), x[:, :1]).backward()
+        opt.step()
+    gw.unwatch(model)
+    with gw.open_run(tmp_path / "run") as run:
+        assert run.findings().empty, list(run.findings().message)
+        assert "grad_stale_steps" not in run.scalars()
+
+
 def test_gradwatchs_own_clip_does_not_pass_for_clearing_the_gradients(tmp_path: Path) -> None:
     """A clip action scales the gradients in place (a new version of the same tensor) before the
     optimizer applies them: what the next backward pass compares with is what was applied."""
