@@ -120,8 +120,9 @@ def test_a_clip_to_zero_is_named_as_the_clip(tmp_path: Path) -> None:
              if f["severity"] != "info"]
     assert [(f["kind"], f["step"]) for f in found] == [("zero_gradient", 2)]
     assert found[0]["message"].startswith("every gradient was non-zero at the end of backward and scaled to zero "
-                                          "before the optimizer step, for 3 steps up to step 2: a clip_grad_norm_ "
-                                          "with max_norm=0")
+                                          "before the optimizer step, for 3 steps up to step 2: something between "
+                                          "backward() and the step zeroes them, such as clip_grad_value_(..., 0) or "
+                                          "clip_grad_norm_(..., max_norm=0)")
 
 
 # ------------------------------------------ item 7, the judge's side: no "clip" that did nothing

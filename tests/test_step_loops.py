@@ -414,6 +414,28 @@ def test_a_clip_with_max_norm_zero_is_named_as_such(tmp_path: Path) -> None:
     assert "max_norm=0" in found["message"].iloc[0] and "scaled to zero" in found["message"].iloc[0]
 
 
+def test_a_clip_by_value_at_zero_is_not_blamed_on_clip_grad_norm(tmp_path: Path) -> None:
+    """``clip_grad_value_(params, 0)`` zeroes every gradient after backward: the loop never called
+    ``clip_grad_norm_``, and the finding must not say it did."""
+    torch.manual_seed(0)
+    model = gw.watch(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), run=tmp_path / "run", console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(5):
+        x = torch.randn(16, 4)
+        loss = nn.functional.mse_loss(model(x), x[:, :1])
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.0)
+        opt.step()
+    gw.unwatch(model)
+    with gw.open_run(tmp_path / "run") as run:
+        found = run.findings()
+    assert found[["step", "kind"]].values.tolist() == [[2, "zero_gradient"]]
+    message = found["message"].iloc[0]
+    assert "something between backward() and the step zeroes them, such as clip_grad_value_(..., 0)" in message
+    assert not message.startswith("clip_grad_norm_") and "a clip_grad_norm_ with" not in message
+
+
 def _validating_loop(run: Path, *, validate: bool, always_eval: bool = False) -> None:
     """A regression whose loop runs a validation pass in eval mode *without* torch.no_grad() before
     every tenth step (common), with a NaN in training sample 5 at step 20."""

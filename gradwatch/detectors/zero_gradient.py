@@ -16,6 +16,11 @@ HINT = (
     "instead); otherwise the loss does not depend on the parameters (a .detach(), or a loss multiplied by 0) "
     "or the gradients are zeroed between backward() and optimizer.step()"
 )
+HINT_ZEROED = (
+    "look at what runs between backward() and optimizer.step(): a clip with 0 as its bound "
+    "(clip_grad_value_(..., 0), clip_grad_norm_(..., max_norm=0)) zeroes every gradient; skip the call to train "
+    "unclipped, or pass a positive bound (a max_norm of 1.0 is common)"
+)
 HINT_CLIP = (
     "max_norm=0 does not mean 'no clipping': skip the clip_grad_norm_ call to train unclipped, or pass a "
     "positive max_norm (1.0 is common)"
@@ -57,11 +62,13 @@ class ZeroGradient(Detector):
             message = (f"clip_grad_norm_ scaled every gradient to zero for {steps} up to step {record.step} (global "
                        f"norm {before:.3g} before clipping, 0 after): max_norm=0 turns training off.")
             hint = HINT_CLIP
-        elif record.scalars.get(CLIP_COEF) == 0:  # non-zero at the end of backward, zero at the step
+        elif record.scalars.get(CLIP_COEF) == 0:
+            # non-zero at the end of backward, zero at the step, and no clip_grad_norm_ seen (it gives PRECLIP)
             message = (f"every gradient was non-zero at the end of backward and scaled to zero before the optimizer "
-                       f"step, for {steps} up to step {record.step}: a clip_grad_norm_ with max_norm=0 (0 does not "
-                       "mean 'no clipping') turns training off.")
-            hint = HINT_CLIP
+                       f"step, for {steps} up to step {record.step}: something between backward() and the step "
+                       "zeroes them, such as clip_grad_value_(..., 0) or clip_grad_norm_(..., max_norm=0) (0 does "
+                       "not mean 'no clipping'), and turns training off.")
+            hint = HINT_ZEROED
         else:
             message = (f"every gradient is exactly zero for {steps} up to step {record.step}: nothing learns; a "
                        "clip_grad_norm_ with max_norm=0 (0 does not mean 'no clipping') or a loss cut off from the "
