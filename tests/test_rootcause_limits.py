@@ -382,3 +382,27 @@ def test_a_large_output_gradient_is_reduced_to_a_finiteness_flag(bad: float | No
     assert bool(cap.grad_finite) == (bad is None)
     replayed, note = output_grad(cap, grad)
     assert (replayed is None) == (bad is not None)
+
+
+def test_a_call_whose_own_output_went_nan_is_never_blamed_on_the_loss_function(tmp_path: Path) -> None:
+    """MAML-style: the step's second forward call runs with other weights (torch.func.functional_call), which
+    blow up at step 10, so its replay (with the module's own weights) stays finite while the loss is NaN.
+    That call's output was Inf/NaN when it ran: the model made it, not the loss function."""
+    torch.manual_seed(0)
+    model = gw.watch(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1)), run=tmp_path / "run",
+                     console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(12):
+        x = torch.randn(8, 4)
+        fast = {n: p * (1e30 if step == 10 else 1.0) for n, p in model.named_parameters()}
+        loss = nn.functional.mse_loss(model(x), x[:, :1]) + nn.functional.mse_loss(
+            torch.func.functional_call(model, fast, (x,)), x[:, :1])
+        opt.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        opt.step()
+    gw.unwatch(model)
+    found = gw.open_run(tmp_path / "run").findings()
+    assert found[["step", "kind"]].values.tolist() == [[10, "nonfinite"]]
+    message = found["message"].iloc[0]
+    assert "loss function" not in message and "not reproducible" in message, message

@@ -254,10 +254,13 @@ class Tracker:
                 f"more, which origin tracking does not keep (the first {MAX_CAPTURES} of a step are kept): the "
                 "NaN/Inf was born in one of them, or in the loss function")},
                 "note": "not reproduced by the kept forward calls: the layer is the latest with a NaN/Inf gradient"}
-        if loss is not None:
+        # a call whose own output was non-finite when it ran: the model made it, not the loss function (a call
+        # whose replay differs from its run, e.g. torch.func.functional_call with other weights, as MAML's inner
+        # step: its replay stays finite)
+        own = any(cap.output is not None and not finite(cap.output) for cap in self.captures)
+        if loss is not None and not own:
             self.rng.set(self.captures[loss[0]].rng)
             return self._in_step(diagnose(model, self.captures[loss[0]], loss[1], self.rng, self.reference), loss[0])
-        own = any(cap.output is not None and not finite(cap.output) for cap in self.captures)
         if not own and any(cap.several for cap in self.captures):  # a gradient through an output not kept
             return {"how": "attributed", "root_cause": {"cause": None, "cause_detail": (
                 "the replay stayed finite, forward and backward from the model's first output; the model "
