@@ -183,3 +183,184 @@ def test_a_forward_that_falls_back_to_eager_compiles_no_hook_of_gradwatchs(tmp_p
         assert run.status == "finished" and run.steps == 21
         assert not [f for f in run.findings().to_dict("records") if f["severity"] != "info"]
         assert len(run.metrics("act_norm", include_global=False)) > 0  # sampled steps' activations, eagerly
+
+
+class Expert(nn.Module):
+    """One expert of a switch mixture: its tanh is a bounded leaf (a saturated count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.Tanh()
+        self.fc2 = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class SwitchMoE(nn.Module):
+    """Top-1 routing over ten experts, called one by one from a Python loop that skips an expert no token
+    chose (a data-dependent graph break in a loop): dynamo runs this forward eagerly and compiles
+    ``Expert.forward`` as a frame of its own, one code for all ten experts, their leaves' hooks traced in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 10)
+        self.experts = nn.ModuleList(Expert() for _ in range(10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, idx = F.softmax(self.router(x), -1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            chosen = torch.where(idx == e)[0]
+            if chosen.numel() == 0:
+                continue
+            out = out.index_add(0, chosen, expert(x[chosen]) * gate[chosen, None])
+        return out
+
+
+def train_moe(order: str, run: Path | None, *, backend: str = "aot_eager", sample_every: int = 2,
+              steps: int = 10) -> tuple[dict[str, int], list[float]]:
+    """Train a SwitchMoE in ``order`` (``eager``, ``watch-compiled``, ``compile-watched``; with ``run`` None:
+    compiled unwatched, ``hooked``: compiled with a no-op forward hook on every leaf): what dynamo compiled
+    (graphs, frames, versions of ``Expert.forward``, graph breaks) and the losses."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = SwitchMoE()
+    options = {"run": run, "sample_every": sample_every, "console": False}
+    if order == "hooked":
+        for module in model.modules():
+            if not any(module.children()):
+                module.register_forward_hook(lambda module, args, output: None)
+    if run is None:
+        called = torch.compile(model, backend=backend)
+    elif order == "watch-compiled":
+        called = gw.watch(torch.compile(model, backend=backend), **options)
+    elif order == "compile-watched":
+        called = torch.compile(gw.watch(model, **options), backend=backend)
+    else:
+        called = gw.watch(model, **options)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(48, 16, generator=gen)
+        loss = (called(x) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if run is not None:
+            gw.watcher(model).observe(loss=loss)
+        opt.step()
+        losses.append(loss.item())
+    if run is not None:
+        gw.unwatch(model)
+    versions = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(Expert.forward.__code__)
+    return {"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["total"],
+            "expert versions": len(versions), "graph breaks": sum(counters["graph_break"].values())}, losses
+
+
+@pytest.mark.slow  # compiles four times
+@pytest.mark.parametrize("order", ["watch-compiled", "compile-watched"])
+def test_a_mixture_of_experts_compiles_each_experts_forward_once_for_all_its_instances(
+        tmp_path: Path, order: str) -> None:
+    """The leaf hooks traced into a frame that each expert calls in turn are guarded on nothing that differs
+    from one expert to the next (they were on their layer's index and a list growing with each call: every
+    expert compiled ``Expert.forward`` anew until dynamo's recompile limit warned, and the rest ran
+    eagerly): what dynamo compiles is what any forward hook costs, the activation statistics of every
+    expert a token chose come from the graph and are those of eager mode, the losses those unwatched."""
+    logged: list[str] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    hooked, unwatched = train_moe("hooked", None, sample_every=1)
+    handler = Kept(logging.WARNING)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        # every step sampled: the leaf hooks are on throughout, as the no-op hooks
+        every, losses_every = train_moe(order, tmp_path / "every", sample_every=1)
+        # every other step: the hooks switched off in between, a second version of each frame
+        other, losses_other = train_moe(order, tmp_path / "other", sample_every=2)
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert not [m for m in logged if "recompile" in m], logged
+    assert hooked["expert versions"] >= 2, "Expert.forward is a frame of its own (its first shape, then dynamic)"
+    assert all(every[k] <= hooked[k] for k in hooked), (every, hooked)  # what any forward hook on every leaf costs
+    assert every["graphs"] == hooked["graphs"] and every["expert versions"] == hooked["expert versions"]
+    assert other["expert versions"] <= 2 * hooked["expert versions"], "one more version for the hooks off"
+    assert other["graphs"] <= 2 * hooked["graphs"] and other["graph breaks"] == hooked["graph breaks"]
+    assert losses_every == losses_other == unwatched
+    _, eager_losses = train_moe("eager", tmp_path / "eager", sample_every=2)
+    assert eager_losses == unwatched  # aot_eager computes what eager mode does, bit for bit
+    for metric in ("act_norm", "act_zero_frac", "act_sat_frac"):
+        eager, compiled = series(tmp_path / "eager", metric), series(tmp_path / "other", metric)
+        assert {s for s, _ in eager} == {0, 2, 4, 6, 8}, "sampled steps only"
+        assert eager.keys() == compiled.keys(), metric
+        np.testing.assert_allclose([compiled[k] for k in eager], list(eager.values()), rtol=1e-5, atol=1e-7)
+    chosen = {layer for _, layer in series(tmp_path / "other", "act_norm")}
+    assert {f"experts.{e}.{leaf}" for e in range(10) for leaf in ("fc1", "act", "fc2")} <= chosen
+
+
+@pytest.mark.slow  # compiles with inductor
+@pytest.mark.parametrize("order", ["watch-compiled", "compile-watched"])
+def test_a_compiled_mixture_of_experts_gives_the_losses_it_gives_with_any_forward_hook(
+        tmp_path: Path, order: str) -> None:
+    """Compiled by inductor, whose kernels round differently from eager mode's: the watched mixture's losses
+    are those of the unwatched compiled one with a no-op forward hook on every leaf, bit for bit (were not
+    from the experts that ran eagerly past dynamo's recompile limit on). Any forward hook has dynamo
+    compile a leaf that a forward run eagerly calls (here the router), which a model without hooks runs
+    eagerly: that may round differently, on another CPU, from the model without any hook."""
+    _, hooked = train_moe("hooked", None, backend="inductor")
+    _, watched = train_moe(order, tmp_path / "run", backend="inductor")
+    assert watched == hooked
+
+
+@pytest.mark.parametrize("order", ["watch-compiled", "compile-watched"])
+def test_many_forward_calls_per_step_compile_one_graph_for_all_of_them(tmp_path: Path, order: str) -> None:
+    """A rollout's twelve forward calls per step: the graph with the leaf hooks on is guarded on nothing that
+    grows with each call (it was on the length of a list of the step's calls: every call compiled anew until
+    dynamo's recompile limit warned); the activation statistics sum the calls as eager mode's do."""
+    logged: list[str] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    def rollout(order: str, run: Path) -> None:
+        torch.manual_seed(0)
+        model = Net()
+        options = {"run": run, "sample_every": 2, "console": False}
+        if order == "watch-compiled":
+            called = gw.watch(torch.compile(model, backend="aot_eager"), **options)
+        elif order == "compile-watched":
+            called = torch.compile(gw.watch(model, **options), backend="aot_eager")
+        else:
+            called = gw.watch(model, **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            loss = sum(called(torch.randn(4, 8, generator=gen)).pow(2).mean() for _ in range(12))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        gw.unwatch(model)
+
+    rollout("eager", tmp_path / "eager")
+    torch._dynamo.reset()
+    counters.clear()
+    handler = Kept(logging.WARNING)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        rollout(order, tmp_path / "compiled")
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert not [m for m in logged if "recompile" in m], logged
+    # the hooks on for the step's first call, on with its leaves' sums begun, off
+    assert counters["stats"]["unique_graphs"] <= 3
+    for metric in ("act_norm", "act_zero_frac", "act_sat_frac"):
+        eager, compiled = series(tmp_path / "eager", metric), series(tmp_path / "compiled", metric)
+        assert {s for s, _ in eager} == {0, 2}, metric
+        assert eager.keys() == compiled.keys(), metric
+        np.testing.assert_allclose([compiled[k] for k in eager], list(eager.values()), rtol=1e-5, atol=1e-7)

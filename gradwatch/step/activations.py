@@ -15,11 +15,19 @@ that call's values are left out of the step (its layer has fewer calls measured,
 and the leaf is copied from then on. Larger outputs are reduced in their hook: for them the stack's
 copy costs about what the launches it saves do (measured on a deep narrow MLP's 8,192-element
 outputs, batching them saves about 0.5 ms of a 5 ms sampled step).
+
+A call that dynamo traces into a compiled graph (and every call of a model that was compiled before it
+was watched) is summed on the device instead, per leaf (:class:`Slot`): the sum of its squared norms,
+its counted elements, non-zeros and saturated ones, in one small tensor that the hook replaces. Such a
+hook changes no Python state that dynamo would guard on — no list that grows with each call, no layer
+index baked into the graph — so that one compiled frame serves every call: the same module class's
+instances (the experts of a mixture, called one by one from a forward that fell back to eager), and
+any number of forward calls per step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +53,23 @@ class Reduced:
     nonzeros: list[torch.Tensor]
     bounded: np.ndarray  # bool: the call has a saturated count
     saturated: list[torch.Tensor]  # one value per bounded call
+    #: the counted elements of the calls whose ``counted`` is NaN (summed on the device: :class:`Slot`),
+    #: in order, as 1-D float32 tensors
+    counts: list[torch.Tensor] = field(default_factory=list)
+
+
+class Slot:
+    """One leaf's statistics on a sampled step, summed on the device: ``sums`` is None until its first
+    call, then a 1-D tensor [sum of squared norms, counted elements, non-zeros, saturated] that each
+    call replaces with the sum (nothing else of Python changes: a traced hook is guarded on nothing that
+    differs from one call, or one leaf of the same kind, to the next).
+    """
+
+    __slots__ = ("index", "limits", "sums")
+
+    def __init__(self, index: int, limits: tuple[float, float] | None) -> None:
+        self.index, self.limits = index, limits
+        self.sums: torch.Tensor | None = None
 
 
 class Collected:
@@ -58,6 +83,10 @@ class Collected:
         self._rows: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         #: leaves whose small outputs are known to stay as they are until the step: held
         self.held: set[int] = set()
+        #: one per leaf (:meth:`made`), for the calls summed on the device
+        self.slots: list[Slot] = []
+        #: some slot has sums (set by a call, which never reads it: nothing for dynamo to guard on)
+        self.summed = False
         self.clear()
 
     def clear(self) -> None:
@@ -69,11 +98,31 @@ class Collected:
         self._small: dict[tuple[torch.Size, torch.dtype, tuple[float, float] | None],
                           tuple[list[int], list[torch.Tensor], list[int], list[torch.Tensor | None]]] = {}
         self._kept = 0
+        if self.summed:
+            self.summed = False
+            for slot in self.slots:
+                slot.sums = None
 
-    def add(self, index: int, out: torch.Tensor, limits: tuple[float, float] | None, *, here: bool) -> None:
-        """A leaf call's output (``here``: reduce it now, as in a compiled graph)."""
+    def made(self, leaves: list[tuple[int, tuple[float, float] | None]]) -> list[Slot]:
+        """The slots of these leaves (index, output bounds), in place of any earlier ones (and their sums)."""
+        self.slots, self.summed = [Slot(index, limits) for index, limits in leaves], False
+        return self.slots
+
+    def accumulate(self, slot: Slot, out: torch.Tensor) -> None:
+        """A leaf call's output, summed on the device into its slot (a call traced into a compiled graph)."""
+        values, counted = activation_stats(out, slot.limits)
+        dtype = torch.float32 if out.device.type == "mps" else torch.float64  # MPS has no float64
+        norm = values[0].to(dtype)
+        sums = torch.stack([norm * norm, torch.full((), counted, dtype=dtype, device=norm.device),
+                            values[1].to(dtype), values[2].to(dtype) if len(values) == 3 else torch.zeros_like(norm)])
+        before = slot.sums
+        slot.sums = sums if before is None else before + sums.to(before.device)
+        self.summed = True
+
+    def add(self, index: int, out: torch.Tensor, limits: tuple[float, float] | None) -> None:
+        """A leaf call's output (reduced now when large or on an accelerator, else with the others of its shape)."""
         n = out.numel()
-        if here or n > BATCHED or not out.is_cpu:
+        if n > BATCHED or not out.is_cpu:
             values, counted = activation_stats(out, limits)
             self._one.append((index, values, counted))
             return
@@ -152,6 +201,24 @@ class Collected:
                 np.fromiter((c for _, _, c in one), dtype=np.float64, count=len(one)),
                 stacked([values[0] for _, values, _ in one]), stacked([values[1] for _, values, _ in one]),
                 bounded, stacked(sat)))
+        if self.summed:
+            self._take_sums()
         taken = self.done
         self.clear()
         return taken
+
+    def _take_sums(self) -> None:
+        """The slots' sums as one row per leaf called (one :class:`Reduced` per device)."""
+        by_device: dict[torch.device, list[Slot]] = {}
+        for slot in self.slots:
+            if slot.sums is not None:
+                by_device.setdefault(slot.sums.device, []).append(slot)
+        for slots in by_device.values():
+            sums = torch.stack([slot.sums for slot in slots])  # type: ignore[misc]
+            bounded = np.fromiter((slot.limits is not None for slot in slots), dtype=bool, count=len(slots))
+            self.done.append(Reduced(
+                np.fromiter((slot.index for slot in slots), dtype=np.int64, count=len(slots)),
+                np.full(len(slots), np.nan), [sums[:, 0].sqrt().float()], [sums[:, 2].float()], bounded,
+                [torch.stack([slot.sums[3] for slot in slots if slot.limits is not None]).float()]  # type: ignore[index]
+                if bounded.any() else [],
+                [sums[:, 1].float()]))

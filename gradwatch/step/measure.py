@@ -136,7 +136,7 @@ class Measure:
             out.parts += [wnorms] if wnorms is not None else stats.stacked(stats.norms(self._weights(out.tidx)))
             # activation norms, then non-zero counts, then saturated counts (a few 1-D tensors each)
             out.parts += [p for r in acts for p in r.norms] + [p for r in acts for p in r.nonzeros] + \
-                [p for r in acts for p in r.saturated]
+                [p for r in acts for p in r.saturated] + [p for r in acts for p in r.counts]
         return out
 
     def _weights(self, idx: list[int]) -> list[torch.Tensor]:
@@ -207,12 +207,16 @@ class Measure:
             count = np.concatenate([r.counted for r in acts])
         else:
             index, bounded, count = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0)
-        n = len(index)
-        # host: every call's norm, then every call's number of non-zeros, then the saturated counts
+        n, b = len(index), int(bounded.sum())
+        # host: every call's norm, then every call's number of non-zeros, then the saturated counts, then
+        # the counted elements of the calls summed on the device (NaN in ``counted``)
+        device = np.isnan(count)
+        if device.any():
+            count[device] = host[2 * n + b:2 * n + b + int(device.sum())]
         sumsq = np.bincount(index, weights=host[:n] ** 2, minlength=L)
         numel = np.bincount(index, weights=count, minlength=L)
         zeros = numel - np.bincount(index, weights=host[n:2 * n], minlength=L)  # the device counted non-zeros
-        sat = np.bincount(index[bounded], weights=host[2 * n:2 * n + int(bounded.sum())], minlength=L)
+        sat = np.bincount(index[bounded], weights=host[2 * n:2 * n + b], minlength=L)
         seen = numel > 0
         with np.errstate(invalid="ignore", divide="ignore"):
             sat_frac = np.where(seen & self._bounded, sat / numel, np.nan)

@@ -35,7 +35,7 @@ from gradwatch import guard as entry
 from gradwatch import register
 from gradwatch.guard import Hook, RootHook
 from gradwatch.rootcause.state import first_tensor
-from gradwatch.step.activations import Collected, Reduced
+from gradwatch.step.activations import Collected, Reduced, Slot
 from gradwatch.step.layout import bounds
 
 # gradwatch's hooks are the guard's (the one door from torch into gradwatch); a model pickled by an
@@ -250,9 +250,11 @@ class Probe:
     def _make_hooks(self, leaves: list[tuple[int, nn.Module]]) -> None:
         self._remove_leaf_hooks()
         self._leaves = leaves
-        self._leaf_hooks = [(module, self._guard.hook("activation", functools.partial(self._activation, index,
-                                                                                      bounds(module))))
-                            for index, module in leaves]
+        # each hook bound to its leaf's slot, not to its layer index: dynamo would guard a graph that traced
+        # the hook on that number, and compile the same module class's code again for each instance
+        slots = self.collected.made([(index, bounds(module)) for index, module in leaves])
+        self._leaf_hooks = [(module, self._guard.hook("activation", functools.partial(self._activation, slot)))
+                            for (_, module), slot in zip(leaves, slots)]
         self._leaf_keys = [RemovableHandle(module._forward_hooks).id for module, _ in self._leaf_hooks]
 
     def _remove_leaf_hooks(self) -> None:
@@ -264,17 +266,19 @@ class Probe:
                 module._forward_hooks.pop(key, None)
             self._leaves_in = False
 
-    def _activation(self, index: int, limits: tuple[float, float] | None, module: nn.Module, args: Any,
-                    output: Any) -> None:
+    def _activation(self, slot: Slot, module: nn.Module, args: Any, output: Any) -> None:
         """A leaf's forward hook: launch its output's reductions (traced into a compiled graph)."""
         if not self.collect or self.paused or self.evaluating or not torch.is_grad_enabled():
             return
         out = output if type(output) is torch.Tensor and output.is_floating_point() else first_tensor(output)
         if out is None:
             return
-        # traced into a graph (any compiled model's leaf): reduced there, where holding the output for a
-        # later batched reduction is not traceable
-        self.collected.add(index, out, limits, here=self.keep_hooks or torch.compiler.is_dynamo_compiling())
+        if self.keep_hooks or torch.compiler.is_dynamo_compiling():
+            # traced into a graph (any compiled model's leaf): reduced there, where holding the output for a
+            # later batched reduction is not traceable, and summed into the leaf's slot on the device
+            self.collected.accumulate(slot, out)
+        else:
+            self.collected.add(slot.index, out, slot.limits)
 
     def take_activations(self) -> list[Reduced]:
         """Hand over the activation statistics collected so far and start anew."""
