@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -483,3 +484,43 @@ def test_a_model_trained_in_eval_mode_throughout_is_still_replayed(tmp_path: Pat
     assert (error.kind, error.step, error.data["root_cause"]["cause"]) == ("nonfinite", 20, "data")
     assert error.data["samples"]["indices"] == [5]
     assert error.data["hint"].startswith("look at the samples named"), "the data's hint, not an op's"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_measures_each_leaf_once(tmp_path: Path, reentrant: bool) -> None:
+    """``checkpoint(block, x, use_reentrant=False)`` runs the block's forward again inside backward: its
+    leaves' statistics are the first run's, not the sum of both (act_norm was sqrt(2)x the true value)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self, ckpt: bool) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+            self.head = nn.Linear(8, 2)
+            self.ckpt = ckpt
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.ckpt:
+                x = x.requires_grad_(True) if reentrant else x  # reentrant: an input that needs a gradient
+                return self.head(checkpoint(self.block, x, use_reentrant=reentrant))
+            return self.head(self.block(x))
+
+    stats = {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = gw.watch(Net(ckpt), run=tmp_path / str(ckpt), console=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(11):
+            x = torch.randn(16, 8)
+            loss = nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        gw.unwatch(model)
+        with gw.open_run(tmp_path / str(ckpt)) as run:
+            metrics = run.metrics()
+            assert run.findings().empty
+        sampled = metrics[metrics.metric.isin(["act_norm", "act_zero_frac"]) & (metrics.step == 10)]
+        stats[ckpt] = sampled.set_index(["metric", "layer"])["value"].sort_index()
+    assert list(stats[True].index) == list(stats[False].index) and len(stats[True]) >= 8
+    assert np.allclose(stats[True].to_numpy(), stats[False].to_numpy(), rtol=1e-5)

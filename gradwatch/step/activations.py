@@ -98,6 +98,8 @@ class Collected:
         self._small: dict[tuple[torch.Size, torch.dtype, tuple[float, float] | None],
                           tuple[list[int], list[torch.Tensor], list[int], list[torch.Tensor | None]]] = {}
         self._kept = 0
+        #: leaves whose output a forward call outside a backward pass gave (see :meth:`add`'s ``recomputed``)
+        self._forward: set[int] = set()
         if self.summed:
             self.summed = False
             for slot in self.slots:
@@ -119,8 +121,17 @@ class Collected:
         slot.sums = sums if before is None else before + sums.to(before.device)
         self.summed = True
 
-    def add(self, index: int, out: torch.Tensor, limits: tuple[float, float] | None) -> None:
-        """A leaf call's output (reduced now when large or on an accelerator, else with the others of its shape)."""
+    def add(self, index: int, out: torch.Tensor, limits: tuple[float, float] | None, recomputed: bool = False) -> None:
+        """A leaf call's output (reduced now when large or on an accelerator, else with the others of its shape).
+
+        ``recomputed``: the call runs inside a backward pass, activation checkpointing recomputing a segment.
+        Its outputs are counted once: skipped when the leaf's forward call gave them already (``use_reentrant=
+        False``), taken when it ran without gradients and was not measured (``use_reentrant=True``).
+        """
+        if recomputed and index in self._forward:
+            return
+        if not recomputed:
+            self._forward.add(index)
         n = out.numel()
         if n > BATCHED or not out.is_cpu:
             values, counted = activation_stats(out, limits)

@@ -277,8 +277,8 @@ class Probe:
             # traced into a graph (any compiled model's leaf): reduced there, where holding the output for a
             # later batched reduction is not traceable, and summed into the leaf's slot on the device
             self.collected.accumulate(slot, out)
-        else:
-            self.collected.add(slot.index, out, slot.limits)
+        else:  # inside a backward pass: activation checkpointing's second run of the forward, counted once
+            self.collected.add(slot.index, out, slot.limits, recomputed=_recomputing())
 
     def take_activations(self) -> list[Reduced]:
         """Hand over the activation statistics collected so far and start anew."""
@@ -307,3 +307,11 @@ class Probe:
             handle.remove()
         self._handles = []
         self._leave_optimizers()
+
+
+def _recomputing() -> bool:
+    """Whether a forward call runs inside a backward pass: activation checkpointing recomputing a
+    segment (``torch.utils.checkpoint`` with ``use_reentrant=False``), whose outputs the first run measured.
+    """
+    graph_task = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task is not None and graph_task() != -1
