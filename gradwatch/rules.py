@@ -221,7 +221,7 @@ def parse(rules: Sequence[Any], where: str) -> list[Rule]:
 
 
 DEFAULT_RULES: tuple[Rule, ...] = (
-    Rule(when="nonfinite", do="skip", severity="error"),  # a NaN/Inf that reached no update is a warning
+    Rule(when="nonfinite", do="skip", severity="error"),  # a NaN that reached no update is a warning
     Rule(when="exploding", do="clip"),
 )
 

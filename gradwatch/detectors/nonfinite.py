@@ -112,14 +112,15 @@ class NonFinite(Detector):
                             "ones beyond ~1e19)")
         message = (words.nonfinite_message(origin, record.step, what)  # the op, line, cause and samples
                    or f"{_where(origin)} at step {record.step}: {', '.join(what)}.")
-        # activations alone, with a finite loss and finite gradients: the NaN/Inf reached no update (a forward
-        # call whose output no backward pass used: a batch the loop dropped itself), so the step is sound
+        # NaN activations alone, with a finite loss and finite gradients: the NaN reached no update (a forward
+        # call whose output no backward pass used: a batch the loop dropped itself), so the step is sound; an
+        # activation norm that overflows may be finite elements beyond ~1e19 that did reach the loss: an error
         unused = not (bad_loss or bad_forward or bad_grads) and record.gradients_finite() \
-            and origin.get("source") != "weights"
+            and origin.get("source") != "weights" and act is not None and bool(np.isnan(act[bad_act]).all())
         if unused:
-            message += (" The step's loss and every gradient are finite: the NaN/Inf reached neither, so its update "
-                        "is sound (a forward call whose output no backward pass used, as when a loop drops a "
-                        "NaN batch itself, or values masked away downstream).")
+            message += (" The step's loss and every gradient are finite: the NaN reached neither, so its update is "
+                        "sound (a forward call whose output no backward pass used, as when a loop drops a NaN batch "
+                        "itself, or values masked away downstream).")
         data: dict[str, Any] = {
             "origin": origin.get("how", "attributed"),
             "type": origin.get("type"),
