@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from gradwatch.detectors.base import median as _median
 from gradwatch.detectors.causes import LR_HIGH, Causes
 from gradwatch.store.records import StepRecord
 from gradwatch.wording import layer as _layer
@@ -30,8 +31,6 @@ HINT_COLLAPSE = (
     "most often updates too large for the model (saturated softmax/attention, units pushed dead, normalisation "
     "layers that absorb everything); then check the initialisation"
 )
-
-
 
 
 @dataclass
@@ -82,7 +81,7 @@ class Collapse:
         assert levels is not None
         self.told = True
         layout = record.layout
-        learning = [i for i in np.flatnonzero(alive & (rms >= ALIVE * early))]
+        learning = np.flatnonzero(alive & (rms >= ALIVE * early)).tolist()
         start, level, _ = levels
         still = ""
         if learning:
@@ -98,7 +97,3 @@ class Collapse:
                 "first": start, "learning": [layout.layers[i] for i in learning][:20], "lr_peak": self.top_lr or None,
                 "hint": HINT_COLLAPSE}
         return message, float(median / early), data
-
-
-def _median(values: np.ndarray) -> float:
-    return float(np.median(values))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
+from gradwatch.detectors.base import median as _median
 from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.detectors.collapse import Collapse
 from gradwatch.store.findings import Finding
@@ -31,6 +32,8 @@ GATE = 1e-3
 #: a small layer under a gate is explained by it while its RMS, relative to the median layer's, is at
 #: least this times the gate's RMS (its gradient is the gate times an ordinary one)
 EXPLAINED = 1e-2
+
+
 @dataclass
 class Vanishing(Detector):
     """A layer whose gradient RMS (norm / sqrt(numel)) stays below ``absolute``, or below
@@ -113,7 +116,8 @@ class Vanishing(Detector):
         if not finite and np.isinf(rms).any():
             return []  # an overflowing gradient norm is the exploding detector's
         has = np.isfinite(rms) & self._sized
-        said = self._collapse.check(record, rms, has, self.collapse, dead=self._dead, causes=self.causes)
+        said = self._collapse.check(record, rms, has, self.collapse, dead=self._dead, causes=self.causes) \
+            if self.collapse > 0 else None
         collapsed = [self.finding(record, "warning", None, said[0], value=said[1], data=said[2])] if said else []
         measured = rms[has]
         if len(measured):
@@ -300,10 +304,3 @@ def outer(layout: Layout, sizes: np.ndarray, scoped: dict[int, str | None] | Non
         if p in scoped and scoped[p] is None:
             out.setdefault(p, []).append(layer)
     return {p: np.asarray(layers, dtype=np.int64) for p, layers in sorted(out.items())}
-
-
-def _median(values: np.ndarray) -> float:
-    """The median of a small non-empty vector (np.median's overhead is 30x a sort of 50 values)."""
-    ordered = np.sort(values)
-    n = len(ordered)
-    return float(0.5 * (ordered[(n - 1) // 2] + ordered[n // 2]))

@@ -277,7 +277,7 @@ class Probe:
             # traced into a graph (any compiled model's leaf): reduced there, where holding the output for a
             # later batched reduction is not traceable, and summed into the leaf's slot on the device
             self.collected.accumulate(slot, out)
-        else:  # inside a backward pass: activation checkpointing's second run of the forward, counted once
+        else:  # a call inside a backward pass is activation checkpointing's second run: counted once
             self.collected.add(slot.index, out, slot.limits, recomputed=_recomputing())
 
     def take_activations(self) -> list[Reduced]:
@@ -309,9 +309,12 @@ class Probe:
         self._leave_optimizers()
 
 
+#: the backward pass running in this thread (-1: none), where torch tells it
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _recomputing() -> bool:
     """Whether a forward call runs inside a backward pass: activation checkpointing recomputing a
-    segment (``torch.utils.checkpoint`` with ``use_reentrant=False``), whose outputs the first run measured.
+    segment (``torch.utils.checkpoint``), whose outputs the forward may have measured already.
     """
-    graph_task = getattr(torch._C, "_current_graph_task_id", None)
-    return graph_task is not None and graph_task() != -1
+    return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
