@@ -19,7 +19,7 @@ from variants import SETUP, Loop, make_loop, with_gradwatch
 from workloads import WORKLOADS, Workload
 
 import gradwatch as gw
-from gradwatch import watching
+from gradwatch.watching import watcher as watching
 from gradwatch.judging import judge
 from gradwatch.rootcause import capture, state
 from gradwatch.step import iteration, lifecycle, origin, probe, recording, stats

@@ -26,11 +26,11 @@ from gradwatch.errors import (
 from gradwatch.version import __version__
 
 if _TYPE_CHECKING:
-    from gradwatch.registry import unwatch, watch, watcher
+    from gradwatch.watching.registry import unwatch, watch, watcher
     from gradwatch.rules import Rule
     from gradwatch.store.findings import Finding
     from gradwatch.store.reader import Run, open_run
-    from gradwatch.watching import Watcher
+    from gradwatch.watching.watcher import Watcher
 
 #: public names imported on first use, so that ``import gradwatch`` (the pytest plugin, the CLI)
 #: does not pay for torch until something needs it
@@ -39,10 +39,10 @@ _LAZY = {
     "Rule": "gradwatch.rules",
     "Run": "gradwatch.store.reader",
     "open_run": "gradwatch.store.reader",
-    "unwatch": "gradwatch.registry",
-    "watch": "gradwatch.registry",
-    "watcher": "gradwatch.registry",
-    "Watcher": "gradwatch.watching",
+    "unwatch": "gradwatch.watching.registry",
+    "watch": "gradwatch.watching.registry",
+    "watcher": "gradwatch.watching.registry",
+    "Watcher": "gradwatch.watching.watcher",
 }
 
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.hooks import RemovableHandle
 
-    from gradwatch.watching import Watcher
+    from gradwatch.watching.watcher import Watcher
 
 M = TypeVar("M")
 
@@ -86,7 +86,7 @@ class GradwatchFixture:
             TypeError: ``model`` is not a module.
             gradwatch.ConfigError: an invalid option, or a model without trainable parameters.
         """
-        from gradwatch import registry
+        from gradwatch.watching import registry
 
         if self._stopped:
             raise RuntimeError("the gradwatch fixture has already judged this test's runs; watch models in the test")
@@ -115,7 +115,7 @@ class GradwatchFixture:
         self._entries.append(_Entry(len(self._entries), type(model).__name__, watcher.run_dir, watcher))
 
     def _watch(self, model: Any, *, run: str | Path | None = None, **kwargs: Any) -> Watcher:
-        from gradwatch import registry
+        from gradwatch.watching import registry
 
         index = len(self._entries)
         run_dir = Path(run) if run is not None else self._root / f"{self._prefix}-{index}"
@@ -130,7 +130,7 @@ class GradwatchFixture:
         """
         import torch
 
-        from gradwatch import guard, register
+        from gradwatch.watching import guard, register
 
         self._torch = torch
         hooks = guard.Guard(self._broken)
@@ -187,7 +187,7 @@ class GradwatchFixture:
                                             error=f"{type(exc).__name__}: {exc}"))
                 return
         # this forward call is already past the model's own pre-hook: tell the watcher, as a decorated
-        # class does at its first forward (gradwatch.registry._first_forward)
+        # class does at its first forward (gradwatch.watching.registry._first_forward)
         watcher._forward_started(args, {})
 
     def _stop(self) -> None:
@@ -261,7 +261,7 @@ def _nn_module() -> type:
 
 def _overlaps_watched(module: nn.Module) -> bool:
     """Whether ``module`` is watched, about to be (a decorated class), or shares modules with a watched model."""
-    from gradwatch import registry
+    from gradwatch.watching import registry
 
     if registry._find(module) is not None or module in registry._pending:
         return True

@@ -161,7 +161,7 @@ def gradwatch_fixture(request: pytest.FixtureRequest) -> Iterator[GradwatchFixtu
     ``gradwatch`` marker's keyword arguments over ``--gradwatch-fail-on`` over the ini file; runs
     use ``rules="default"`` and ``console=False`` unless the marker says otherwise.
     """
-    from gradwatch import registry
+    from gradwatch.watching import registry
     from gradwatch.errors import ConfigError
 
     settings = request.config.stash[_SETTINGS]

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from gradwatch.errors import TrainingHalted
-from gradwatch.registry import check_settings, watch, watcher
-from gradwatch.watching import Watcher
+from gradwatch.watching.registry import check_settings, watch, watcher
+from gradwatch.watching.watcher import Watcher
 
 log = logging.getLogger("gradwatch")
 

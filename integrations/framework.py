@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class FrameworkAPI:
-    """The methods of :class:`~gradwatch.watching.Watcher` for framework integrations."""
+    """The methods of :class:`~gradwatch.watching.watcher.Watcher` for framework integrations."""
 
     _steps: Lifecycle
     control: LoopControl

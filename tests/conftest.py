@@ -30,7 +30,7 @@ def _seeded() -> Iterator[None]:
 def _no_leftover_watchers() -> Iterator[None]:
     """Every test leaves no model watched behind (and its runs closed)."""
     yield
-    from gradwatch import registry
+    from gradwatch.watching import registry
 
     for watcher in list(registry._live):
         watcher.close()

@@ -45,7 +45,7 @@ def _call(fn: Callable[..., T], args: tuple[Any, ...]) -> tuple[T, list[str]]:
     try:
         return fn(*args), unraisable
     finally:
-        from gradwatch import registry
+        from gradwatch.watching import registry
 
         for watcher in list(registry._live):  # a call that failed leaves no model watched for the next
             watcher.close()

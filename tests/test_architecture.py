@@ -18,7 +18,8 @@ MAX_LINES = 330
 #: and of the layers below it, never one above. The step's stages run step -> judging -> rootcause -> store.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("commands", ("gradwatch.cli", "gradwatch.__main__")),
-    ("public face", ("gradwatch", "gradwatch.registry", "gradwatch.watching", "gradwatch.startup", "gradwatch.ending",
+    ("public face", ("gradwatch", "gradwatch.watching", "gradwatch.watching.registry", "gradwatch.watching.watcher",
+                     "gradwatch.watching.startup", "gradwatch.watching.ending",
                      "gradwatch.demo", "gradwatch.testing", "gradwatch.pytest_plugin", "gradwatch.pytest_fixture",
                      "gradwatch.integrations")),
     ("readers", ("gradwatch.report", "gradwatch.dashboards", "gradwatch.doctor")),
@@ -28,8 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rootcause", ("gradwatch.rootcause",)),
     ("store", ("gradwatch.store", "gradwatch.sinks")),
     ("base", ("gradwatch.errors", "gradwatch.version", "gradwatch.encoding", "gradwatch.files", "gradwatch.plugins",
-              "gradwatch.wording", "gradwatch.guard", "gradwatch.register", "gradwatch.unpickled",
-              "gradwatch.parametrized")),
+              "gradwatch.wording", "gradwatch.watching.guard", "gradwatch.watching.register",
+              "gradwatch.watching.unpickled", "gradwatch.watching.parametrized")),
 ]
 
 
@@ -146,8 +147,8 @@ def test_the_cycle_finder_finds_a_circle() -> None:
 
 def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
-    assert "gradwatch.step.lifecycle" in graph["gradwatch.watching"]  # top level
-    assert "gradwatch.integrations.distributed" in graph["gradwatch.startup"]  # inside a function
+    assert "gradwatch.step.lifecycle" in graph["gradwatch.watching.watcher"]  # top level
+    assert "gradwatch.integrations.distributed" in graph["gradwatch.watching.startup"]  # inside a function
     assert "gradwatch.step.snapshots" in graph["gradwatch.step.control"]  # from package import module
 
 

@@ -118,7 +118,7 @@ def test_any_toml_loads_or_raises_config_error(tmp_path_factory: pytest.TempPath
         else:
             assert cfg.rules is None or all(isinstance(r, Rule) for r in cfg.rules)
         finally:
-            from gradwatch import registry
+            from gradwatch.watching import registry
 
             for w in list(registry._live):
                 w.close()

@@ -246,7 +246,7 @@ import atexit, contextlib, json, os, signal, sys, time, traceback
 import torch
 from torch import nn
 import gradwatch as gw
-from gradwatch import guard
+from gradwatch.watching import guard
 from gradwatch.step.recording import Recording
 
 where, root = sys.argv[1], sys.argv[2]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch import registry
+from gradwatch.watching import registry
 
 from .conftest import train
 

@@ -157,7 +157,7 @@ def test_an_interrupt_while_a_snapshot_is_written_reaches_the_loop(tmp_path: Pat
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), SystemExit(143)], ids=["ctrl-c", "exit"])
 def test_the_guard_lets_an_interrupt_through_every_hook(interrupt: BaseException) -> None:
     """Only an Exception of gradwatch's own detaches a watcher; an interrupt landing in a hook goes on up."""
-    from gradwatch.guard import KINDS, Guard
+    from gradwatch.watching.guard import KINDS, Guard
 
     failures: list[BaseException] = []
     guard = Guard(lambda exc, kind, args: failures.append(exc))

@@ -1,6 +1,6 @@
 """One guard for every entry point from torch into gradwatch (issue 26, item 2).
 
-No module but ``gradwatch.register`` hands a callable to torch, and it takes guarded hooks only;
+No module but ``gradwatch.watching.register`` hands a callable to torch, and it takes guarded hooks only;
 at run time every callable of gradwatch's that torch holds is a guard ``Hook``.
 """
 
@@ -17,7 +17,7 @@ from torch.nn.modules import module as torch_module
 from torch.optim import optimizer as torch_optim
 
 import gradwatch as gw
-from gradwatch import guard, register
+from gradwatch.watching import guard, register
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [*sorted((ROOT / "gradwatch").rglob("*.py")), *sorted((ROOT / "integrations").rglob("*.py"))]
@@ -35,7 +35,7 @@ REGISTERING = {
 #: which run inside a guarded hook or a CLI command and remove them before they return), or a thread
 #: that serves HTTP (its failure never reaches training)
 ALLOWED = {
-    "gradwatch/register.py": "the one door",
+    "gradwatch/watching/register.py": "the one door",
     "gradwatch/rootcause/nodes.py": "a replay's hooks, removed before it returns",
     "gradwatch/rootcause/locate.py": "a replay's hooks, removed before it returns",
     "gradwatch/rootcause/ops.py": "a replay's hooks, removed before it returns",
@@ -78,7 +78,7 @@ def test_the_checker_sees_each_way_of_registering(tmp_path: Path) -> None:
 def test_only_the_register_module_hands_callables_to_torch(path: Path) -> None:
     found = _registrations(path)
     assert not found, (f"{path.relative_to(ROOT)} registers callables itself: {found}; register guarded hooks "
-                       "through gradwatch.register (every entry point from torch runs through the guard)")
+                       "through gradwatch.watching.register (every entry point from torch runs through the guard)")
 
 
 def test_a_raw_callable_is_refused() -> None:

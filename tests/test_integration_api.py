@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch.registry import check_settings
+from gradwatch.watching.registry import check_settings
 
 
 def regression() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gradwatch as gw
-from gradwatch import registry
+from gradwatch.watching import registry
 
 RTOL = 1e-5
 ROOT = "(root)"

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradwatch as gw
-from gradwatch import guard
+from gradwatch.watching import guard
 
 from . import pool
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch import guard
+from gradwatch.watching import guard
 from gradwatch.step import aggregate
 
 pytestmark = pytest.mark.slow  # three models trained 49 steps each, up to 1,003 modules: seconds

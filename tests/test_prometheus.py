@@ -269,7 +269,7 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         with pytest.raises(gw.ConfigError, match=f"port {port} on 127.0.0.1 is already in use"):
             watch(make_model(), tmp_path / "busy", prometheus=port)
     assert not (tmp_path / "busy" / "gradwatch.sqlite").exists(), "a port in use leaves no run behind"
-    from gradwatch import registry
+    from gradwatch.watching import registry
 
     assert not registry._live, "nothing stays watched"
 

@@ -25,7 +25,7 @@ from torch.nn.modules import module as torch_module
 
 import gradwatch as gw
 from gradwatch import pytest_plugin as plugin
-from gradwatch import registry
+from gradwatch.watching import registry
 from gradwatch.judging import gate
 
 pytest_plugins = ["pytester"]
@@ -322,7 +322,7 @@ def test_marker_alone_watches_and_unmarked_tests_are_untouched(pytester: pytest.
     pytester.makepyfile(test_marker='''
         import pytest
         from torch.nn.modules import module
-        from gradwatch import registry
+        from gradwatch.watching import registry
         from trainlib import make, train
 
         @pytest.mark.gradwatch

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch import guard
+from gradwatch.watching import guard
 
 
 class RNNModel(nn.Module):

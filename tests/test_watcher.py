@@ -238,7 +238,7 @@ def test_a_model_dropped_while_watched_closes_its_run(run_dir: Path) -> None:
     import gc
     import weakref
 
-    from gradwatch import registry
+    from gradwatch.watching import registry
 
     model = gw.watch(mlp(), run=run_dir)
     train(model, data, nn.functional.mse_loss, steps=3)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.parametrized import layers_of
+from gradwatch.watching.parametrized import layers_of
 from gradwatch.rootcause import cause, nodes, ops
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.locate import Located

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.parametrized import layers_of
+from gradwatch.watching.parametrized import layers_of
 from gradwatch.rootcause.capture import KEEP_GRADS, Capture
 from gradwatch.rootcause.state import finite, first_tensor
 from gradwatch.store.records import ROOT

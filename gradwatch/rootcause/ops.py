@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradwatch.parametrized import layers_of
+from gradwatch.watching.parametrized import layers_of
 from gradwatch.rootcause import facts
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.frames import Line, user_line

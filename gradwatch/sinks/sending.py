@@ -11,8 +11,8 @@ import logging
 import queue
 from collections.abc import Callable
 
-from gradwatch import guard as entry
-from gradwatch import register
+from gradwatch.watching import guard as entry
+from gradwatch.watching import register
 
 log = logging.getLogger("gradwatch")
 

@@ -22,8 +22,8 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.hooks import RemovableHandle
 
-from gradwatch import guard as entry
-from gradwatch import register
+from gradwatch.watching import guard as entry
+from gradwatch.watching import register
 from gradwatch.errors import RunError, TrainingHalted
 from gradwatch.step import snapshots
 from gradwatch.step.buffers import Buffers

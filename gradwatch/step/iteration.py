@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from gradwatch import guard as entry
-from gradwatch import register
+from gradwatch.watching import guard as entry
+from gradwatch.watching import register
 from gradwatch.step import preclip
 from gradwatch.step.buffers import Buffers
 from gradwatch.step.layout import Discovered

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gradwatch.errors import ConfigError
-from gradwatch.parametrized import computing, is_leaf, own_parameters
+from gradwatch.watching.parametrized import computing, is_leaf, own_parameters
 from gradwatch.store.records import ROOT, Layout
 
 #: output bounds of activations that saturate

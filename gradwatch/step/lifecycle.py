@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradwatch.errors import GradwatchWarning, GroupLeft, RunError, TrainingHalted
-from gradwatch.guard import Guard, guarded
+from gradwatch.watching.guard import Guard, guarded
 from gradwatch.judging.judge import Judge
 from gradwatch.step import observed as obs
 from gradwatch.step import stats

@@ -35,7 +35,7 @@ def into(step: Open | None, it: Iteration, name: str, value: Any) -> obs.Observe
     values of ``step``, the open step, when it is that step's (see the module's text).
 
     Only where the step's own forward call was seen: where a compiled graph traces the root's hooks
-    (see ``gradwatch.guard.RootHook``) no forward call closes the step, and a loss observed before
+    (see ``gradwatch.watching.guard.RootHook``) no forward call closes the step, and a loss observed before
     the next ``optimizer.step()`` could be the next iteration's.
     """
     if step is not None and it.seen and (name == "loss" or (isinstance(value, torch.Tensor) and value.requires_grad)):

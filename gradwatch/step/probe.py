@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from gradwatch import guard as entry
-from gradwatch import register
-from gradwatch.guard import Hook, RootHook
+from gradwatch.watching import guard as entry
+from gradwatch.watching import register
+from gradwatch.watching.guard import Hook, RootHook
 from gradwatch.rootcause.state import first_tensor
 from gradwatch.step.activations import Collected, Reduced, Slot
 from gradwatch.step.layout import bounds

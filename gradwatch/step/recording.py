@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from gradwatch.guard import Guard, guarded
+from gradwatch.watching.guard import Guard, guarded
 from gradwatch.judging.judge import Judge
 from gradwatch.step import stats
 from gradwatch.step.control import LoopControl

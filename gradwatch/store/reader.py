@@ -77,7 +77,7 @@ class Run(Series, Restarts):
         self.meta: dict[str, Any] = decode.meta(db, rows)
         # a run written by this process: flush its writer so that every step recorded so far is read
         # (no registry imported means no watcher in this process, and readers need not import torch)
-        registry = sys.modules.get("gradwatch.registry")
+        registry = sys.modules.get("gradwatch.watching.registry")
         if registry is not None and self.meta.get("status") == "running":
             registry.flush_run(self.path)
 

@@ -12,13 +12,13 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from gradwatch import ending, register
-from gradwatch import guard as entry
+from gradwatch.watching import ending, register
+from gradwatch.watching import guard as entry
 from gradwatch.config import Config, resolve
 from gradwatch.errors import ConfigError, GradwatchWarning, InternalWarning
 from gradwatch.options import Options, run_path
 from gradwatch.step.layout import unwrap
-from gradwatch.watching import Watcher
+from gradwatch.watching.watcher import Watcher
 
 M = TypeVar("M")
 

@@ -1,6 +1,6 @@
 """Register: the only module that hands gradwatch's callables to torch (and to the interpreter).
 
-Each function takes a :class:`gradwatch.guard.Hook` — a guarded call — and refuses anything else,
+Each function takes a :class:`gradwatch.watching.guard.Hook` — a guarded call — and refuses anything else,
 so that no entry point from torch into gradwatch escapes the guard (``tests/test_architecture.py``
 checks that no other module of gradwatch registers anything with torch).
 
@@ -21,13 +21,13 @@ import torch
 from torch.optim import optimizer as torch_optim
 from torch.utils.hooks import RemovableHandle
 
-from gradwatch import guard, unpickled
-from gradwatch.guard import Hook
+from gradwatch.watching import guard, unpickled
+from gradwatch.watching.guard import Hook
 
 
 def _checked(hook: Any) -> Hook:
     if not isinstance(hook, Hook):
-        raise TypeError(f"gradwatch registers only guarded hooks (gradwatch.guard.Hook), got {hook!r}")
+        raise TypeError(f"gradwatch registers only guarded hooks (gradwatch.watching.guard.Hook), got {hook!r}")
     return hook
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from gradwatch.actions import Action
 from gradwatch.config import Config
 from gradwatch.errors import GradwatchWarning
-from gradwatch.guard import Guard
+from gradwatch.watching.guard import Guard
 from gradwatch.judging.judge import Judge, build_plugin_actions
 from gradwatch.options import Options
 from gradwatch.sinks import plugin_sinks

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch import ending, startup
+from gradwatch.watching import ending, startup
 from gradwatch.config import Config
 from gradwatch.errors import GradwatchError, GroupLeft, InternalWarning
-from gradwatch.guard import Guard
+from gradwatch.watching.guard import Guard
 from gradwatch.integrations.framework import FrameworkAPI
 from gradwatch.judging.judge import Judge
 from gradwatch.options import Options

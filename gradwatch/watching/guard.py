@@ -3,7 +3,7 @@
 Module forward (pre-)hooks, tensor and post-accumulate-grad hooks, optimizer step hooks, autograd
 engine callbacks, a step's closure, the writer thread, ``atexit`` and the excepthook: each is a
 :class:`Hook` made by a watcher's :class:`Guard`, and only this module hands a callable to torch
-(:mod:`gradwatch.register`, which refuses anything but a Hook; ``tests/test_architecture.py`` checks
+(:mod:`gradwatch.watching.register`, which refuses anything but a Hook; ``tests/test_architecture.py`` checks
 that no other module registers anything with torch).
 An exception of gradwatch's own in a hook detaches the watcher — one ``InternalWarning``, every
 hook removed — and the hook returns None: to torch, a hook that changed nothing. Training goes on
@@ -14,8 +14,8 @@ hook that runs outside those threads. A hook runs one global check on its fast p
 path serves a detached guard, a failure waiting to be told, and the tests' fault injection
 (:func:`inject`, by kind: :data:`KINDS`).
 
-Hooks reach torch through :mod:`gradwatch.register` only. A model's pickled form holds nothing of
-gradwatch: see :mod:`gradwatch.unpickled`.
+Hooks reach torch through :mod:`gradwatch.watching.register` only. A model's pickled form holds nothing of
+gradwatch: see :mod:`gradwatch.watching.unpickled`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from gradwatch import unpickled
+from gradwatch.watching import unpickled
 from gradwatch.errors import TrainingHalted
 
 log = logging.getLogger("gradwatch")
@@ -132,7 +132,7 @@ class Guard:
     def hook(self, kind: str, call: Callable[..., Any], cls: type[Hook] | None = None) -> Hook:
         """A hook of ``kind`` (one of :data:`KINDS`) that runs ``call`` guarded."""
         if kind not in KINDS:
-            raise ValueError(f"unknown hook kind {kind!r}; add it to gradwatch.guard.KINDS")
+            raise ValueError(f"unknown hook kind {kind!r}; add it to gradwatch.watching.guard.KINDS")
         return (cls or (Moment if kind in MOMENTS else Hook))(self, kind, call)
 
     def failed(self, kind: str, exc: BaseException, args: tuple[Any, ...] = ()) -> None:
