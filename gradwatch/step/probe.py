@@ -176,12 +176,13 @@ class Probe:
         # compiled forward of ``torch.compile(watched)`` with ``is_compiling`` already true
         if self._lift and torch.compiler.is_compiling():
             self.keep_root_hooks()  # and guards that graph on them
-        if not self.paused and torch.is_grad_enabled() and not torch.compiler.is_dynamo_compiling():
+        if not self.paused and torch.is_grad_enabled() and not torch.compiler.is_dynamo_compiling() and \
+                not transformed():
             self._on_forward(args, kwargs)
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.quiet or self.paused or self.evaluating or not torch.is_grad_enabled() or \
-                torch.compiler.is_dynamo_compiling():
+                torch.compiler.is_dynamo_compiling() or transformed():
             return
         out = first_tensor(output)
         if out is not None and out.requires_grad and self._on_output is not None:
@@ -277,7 +278,7 @@ class Probe:
             # traced into a graph (any compiled model's leaf): reduced there, where holding the output for a
             # later batched reduction is not traceable, and summed into the leaf's slot on the device
             self.collected.accumulate(slot, out)
-        else:  # a call inside a backward pass is activation checkpointing's second run: counted once
+        elif not transformed():  # a call inside a backward pass is checkpointing's second run: counted once
             self.collected.add(slot.index, out, slot.limits, recomputed=_recomputing())
 
     def take_activations(self) -> list[Reduced]:
@@ -307,6 +308,15 @@ class Probe:
             handle.remove()
         self._handles = []
         self._leave_optimizers()
+
+
+_FUNCTORCH = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)  # None: no transform
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``...) runs the model now: no step's call, its
+    tensors the transform's wrappers (which reductions may not batch); the hooks record nothing for it."""
+    return _FUNCTORCH is not None and _FUNCTORCH() is not None
 
 
 #: the backward pass running in this thread (-1: none), where torch tells it
