@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gradwatch.watching.parametrized import layers_of
-from gradwatch.rootcause import cause, nodes, ops
+from gradwatch.rootcause import cause, inputs, nodes, ops
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.samples import blamed, concentrated, nonfinite_rows, outliers
@@ -91,7 +91,9 @@ def diagnose(model: nn.Module, cap: Capture, located: Located, rng: Rng, referen
     if located.source == "input":
         origin["samples"] = blamed(cap, nonfinite_rows((cap.args, cap.kwargs), batch) or [],
                                    "samples of the batch holding NaN/Inf")
-        origin["root_cause"] = {"cause": cause.DATA, "cause_detail": "the batch itself holds NaN/Inf"}
+        named = inputs.held(model, cap)  # by name, in which rows (a sparse adjacency's too)
+        origin["root_cause"] = {"cause": cause.DATA, "cause_detail": inputs.words(named) or "the batch itself "
+                                "holds NaN/Inf", **({"inputs": named} if named else {})}
         return origin
     if located.source == "loss":
         loss_rows = nonfinite_rows(located.output, batch) if located.output is not None else None
@@ -171,6 +173,9 @@ def _cause(model: nn.Module, cap: Capture, located: Located, call: dict[str, Any
         line = born.line.short() if born.line is not None else None
         return {"cause": cause.DATA, "cause_detail": cause.words_batch(rows, batch, born.culprit, line),
                 "culprit": born.culprit, **({"precision_replay": dtype} if dtype else {})}
+    kept = inputs.buffers(model)  # reproducible with a finite batch, from NaN/Inf the model keeps (an adjacency)
+    if kept:
+        return {"cause": cause.DATA, "cause_detail": inputs.words(kept), "inputs": kept}
     # every sample made it at an op no trainable weight enters: the code (or the whole batch), no weight to name
     everyone = born is not None and born.weightless and bool(rows) and batch is not None and len(rows or []) >= batch
     grew = [] if everyone else cause.grown(model, reference)

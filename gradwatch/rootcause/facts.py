@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gradwatch.rootcause.state import LOW_PRECISION
+from gradwatch.rootcause.state import LOW_PRECISION, stored
 
 
 def g(v: float) -> str:
@@ -247,10 +247,13 @@ def _low_precision(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
 
 
 def _ranges(args: Sequence[Any]) -> str:
-    ts = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel()]
+    ts = [stored(a) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel()]
+    ts = [t for t in ts if t.numel()]  # a sparse tensor's stored values
     if not ts:
         return "its inputs are finite"
     spans = ", ".join(f"[{g(float(t.min()))}, {g(float(t.max()))}]" for t in ts[:3])
+    if not all(bool(torch.isfinite(t).all()) for t in ts):  # a NaN born of Inf: inf - inf, 0 x inf, inf / inf
+        return f"its inputs hold Inf but no NaN (ranges {spans}): inf - inf, 0 x inf and inf / inf are NaN"
     return f"its inputs are finite (ranges {spans})"
 
 

@@ -23,7 +23,7 @@ from gradwatch.rootcause import facts
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.frames import Line, user_line
 from gradwatch.rootcause.locate import Located
-from gradwatch.rootcause.state import Rng, floats
+from gradwatch.rootcause.state import Rng, floats, stored
 from gradwatch.store.records import ROOT
 
 #: ops that allocate memory without writing it, or only move it: never the birth place
@@ -97,7 +97,8 @@ def _flags(ts: list[torch.Tensor]) -> torch.Tensor:
     """[any NaN, any non-finite] over tensors, launched on the device (read later)."""
     if not ts:
         return torch.zeros(2, dtype=torch.bool)
-    return torch.stack([torch.stack([torch.isnan(t).any(), ~torch.isfinite(t).all()]) for t in ts]).any(0).cpu()
+    return torch.stack([torch.stack([torch.isnan(v).any(), ~torch.isfinite(v).all()])
+                        for v in map(stored, ts)]).any(0).cpu()
 
 
 class Ops(TorchDispatchMode):
@@ -137,7 +138,7 @@ class Ops(TorchDispatchMode):
         in_nan, in_bad = bool(before[0]) or not no_nan, bool(before[1]) or not all_finite
         out_nan, out_bad = bool(after[0]), bool(after[1])
         if (out_bad and not in_bad) or (out_nan and not in_nan):
-            first = next(t for t in outs if not bool(torch.isfinite(t).all()))
+            first = next(t for t in outs if not bool(torch.isfinite(stored(t)).all()))
             self.born = Born(op=str(func._schema.name), phase="forward", layer=self.layer,
                              what="NaN" if out_nan else "Inf", fact=facts.forward(name, func, kept, kwargs, first),
                              line=user_line(), rows=first, weightless=facts.weightless(name, args),

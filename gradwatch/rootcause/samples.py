@@ -9,6 +9,7 @@ import torch
 
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.facts import g
+from gradwatch.rootcause.inputs import row_mask
 from gradwatch.rootcause.state import floats, tensors
 
 #: a blamed set of samples is "concentrated" when it is at most this fraction of the batch (or one sample)
@@ -31,9 +32,10 @@ def batch_dim(t: torch.Tensor, batch: int) -> int | None:
 
 
 def per_sample(t: torch.Tensor, batch: int) -> torch.Tensor | None:
-    """``t`` as ``[batch, -1]`` (a view where possible), or None when it has no batch dimension."""
+    """``t`` as ``[batch, -1]`` (a view where possible), or None when it has no batch dimension (or is
+    sparse: its rows are never densified, see :func:`nonfinite_rows`)."""
     dim = batch_dim(t, batch)
-    return None if dim is None else t.detach().movedim(dim, 0).reshape(batch, -1)
+    return None if dim is None or t.layout != torch.strided else t.detach().movedim(dim, 0).reshape(batch, -1)
 
 
 def nonfinite_rows(obj: Any, batch: int | None) -> list[int] | None:
@@ -42,9 +44,9 @@ def nonfinite_rows(obj: Any, batch: int | None) -> list[int] | None:
         return None
     bad: torch.Tensor | None = None
     for t in floats(obj):
-        rows = per_sample(t, batch)
-        if rows is not None:
-            here = ~torch.isfinite(rows).all(dim=1)
+        dim = batch_dim(t, batch)
+        if dim is not None:
+            here = row_mask(t, dim)
             bad = here if bad is None else bad | here.to(bad.device)
     return None if bad is None else [int(i) for i in torch.nonzero(bad).flatten().tolist()]
 

@@ -47,15 +47,33 @@ def floats(obj: Any) -> list[torch.Tensor]:
     return [t for t in tensors(obj) if t.is_floating_point() or t.is_complex()]
 
 
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """The values a tensor stores: a sparse tensor's (COO, CSR, CSC, BSR, BSC) specified elements, which
+    elementwise checks have no sparse kernel for (its unspecified elements are zeros); else itself."""
+    if t.layout == torch.sparse_coo:
+        return t._values()
+    if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return t.values()
+    return t
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter (how often it was written in place), -1 for an inference tensor (none)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
+
+
 def finite(*objs: Any) -> bool:
     """Whether every floating-point tensor inside ``objs`` is finite (reads from the device)."""
-    flags = [torch.isfinite(t).all() for o in objs for t in floats(o)]
+    flags = [torch.isfinite(stored(t)).all() for o in objs for t in floats(o)]
     return bool(torch.stack(flags).all()) if flags else True
 
 
 def has_nan(*objs: Any) -> bool:
     """Whether some floating-point tensor inside ``objs`` holds a NaN (reads from the device)."""
-    flags = [torch.isnan(t).any() for o in objs for t in floats(o)]
+    flags = [torch.isnan(stored(t)).any() for o in objs for t in floats(o)]
     return bool(torch.stack(flags).any()) if flags else False
 
 
@@ -156,7 +174,7 @@ def preserved(model: nn.Module, rng: Rng) -> Iterator[None]:
     saved_rng = rng.get()
     saved_py, saved_np = random.getstate(), np.random.get_state()  # a forward may draw from them too
     with torch.no_grad():
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        buffers = [(b, version(b), b.detach().clone()) for b in model.buffers()]
     inplace = [m for m in model.modules() if getattr(m, "inplace", None) is True]
     for m in inplace:
         setattr(m, "inplace", False)  # noqa: B010 - an attribute of the module's own
@@ -168,8 +186,9 @@ def preserved(model: nn.Module, rng: Rng) -> Iterator[None]:
         for m in inplace:
             setattr(m, "inplace", True)  # noqa: B010
         with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+            for b, was, saved in buffers:
+                if version(b) != was or was < 0:  # what the replay left alone keeps its version (never written)
+                    b.copy_(saved)
         rng.set(saved_rng)
         random.setstate(saved_py)
         np.random.set_state(saved_np)

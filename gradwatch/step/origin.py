@@ -218,7 +218,8 @@ class Tracker:
                 origin = self._find(model, loss_finite)
         except Exception as exc:  # a model that cannot be replayed: fall back, say why
             log.info("gradwatch: could not replay the step to find the NaN/Inf origin: %r", exc)
-            origin = {"how": "attributed", "note": f"the step could not be replayed ({type(exc).__name__}: {exc})"}
+            said = (str(exc).strip().splitlines() or [""])[0][:300]  # not torch's list of every dispatch key
+            origin = {"how": "attributed", "note": f"the step could not be replayed ({type(exc).__name__}: {said})"}
         origin["replay_ms"] = round((time.perf_counter() - start) * 1000, 1)
         return origin
 
