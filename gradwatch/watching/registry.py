@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from gradwatch.watching import ending, register
+from gradwatch.watching import ending, register, unregistered
 from gradwatch.watching import guard as entry
 from gradwatch.config import Config, resolve
 from gradwatch.errors import ConfigError, GradwatchWarning, InternalWarning
@@ -91,6 +91,7 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
             warnings.warn(f"gradwatch: this model is already watched into {str(existing.run_dir)!r}; "
                           f"ignoring run={str(run)!r}", GradwatchWarning, stacklevel=2)
         return model
+    unregistered.refuse(model)  # nothing to train, its layers in a plain list: say so, before any file
     run_dir = _free_run_dir(Path(run) if run is not None else _default_run(model))
     watcher_ = Watcher(model, run_dir, opts, config, on_close=forget)
     for key in _keys(model):
