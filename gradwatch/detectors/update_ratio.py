@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -14,6 +16,10 @@ from gradwatch.wording import layer as _layer
 
 HINT_HIGH = "the step rewrites the weights wholesale: lower the learning rate (a healthy ratio is around 1e-3)"
 HINT_LOW = "the weights barely move: raise the learning rate, or check that the optimizer holds this layer"
+#: layers (and their ratios) a grouped finding's data names at most
+NAMED = 20
+#: layers a grouped finding's message names one by one at most (beyond: the first three ... the last two)
+SHOWN = 6
 
 
 @dataclass
@@ -60,16 +66,47 @@ class UpdateRatio(Detector):
         self._high = np.where(high, self._high + 1, np.where(seen, 0, self._high))
         self._low = np.where(low, self._low + 1, np.where(seen, 0, self._low))
         out = []
-        for i in np.flatnonzero(high & (self._high == self.patience)):
-            name, type_, r = layout.layers[i], layout.layer_types[i], float(ratio[i])
-            message = (f"update of {_layer(name, type_)} is {r:.3g}x its weights' norm at step {record.step}: "
-                       "too large.")
-            out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_HIGH}))
+        too_high = np.flatnonzero(high & (self._high == self.patience))
+        if len(too_high):
+            out.append(self._one(record, too_high, ratio, "is {r}x its weights' norm at step {step}: too large.",
+                                 "are {r}x their weights' norms at step {step}: too large.", HINT_HIGH, worst=max))
         if self.causes.named(LR_LOW, record.step) or self.causes.named(LR_HIGH, record.step):
             return out  # named already, or the weights a too-high rate blew up round their updates away
-        for i in np.flatnonzero(low & (self._low == self.patience_low)):
-            name, type_, r = layout.layers[i], layout.layer_types[i], float(ratio[i])
-            message = (f"update of {_layer(name, type_)} is only {r:.3g}x its weights' norm at step "
-                       f"{record.step}, although it has a gradient: it does not learn.")
-            out.append(self.finding(record, "warning", name, message, value=r, data={"hint": HINT_LOW}))
+        too_low = np.flatnonzero(low & (self._low == self.patience_low))
+        if len(too_low):
+            out.append(self._one(record, too_low, ratio, "is only {r}x its weights' norm at step {step}, although it "
+                                 "has a gradient: it does not learn.", "are only {r}x their weights' norms at step "
+                                 "{step}, although they have gradients: they do not learn.", HINT_LOW, worst=min))
         return out
+
+    def _one(self, record: StepRecord, flagged: np.ndarray, ratio: np.ndarray, one: str, several: str, hint: str,
+             worst: Callable[[list[float]], float]) -> Finding:
+        """One finding for every layer flagged alike at this step (one cause: one learning rate, one
+        initialisation): its layer the first in model order, its value the worst ratio, its message and
+        ``data["layers"]`` naming the layers it covers (``data["ratios"]``: theirs, in the same order).
+        """
+        layout = record.layout
+        names = [layout.layers[i] for i in flagged]
+        ratios = [float(ratio[i]) for i in flagged]
+        value = worst(ratios)
+        if len(names) == 1:
+            message = f"update of {_layer(names[0], layout.layer_types[flagged[0]])} " + \
+                one.format(r=f"{value:.3g}", step=record.step)
+        else:
+            low, high = min(ratios), max(ratios)
+            span = f"{low:.3g}" if f"{low:.3g}" == f"{high:.3g}" else f"{low:.3g} to {high:.3g}"
+            types = sorted({layout.layer_types[i] for i in flagged})
+            message = (f"updates of {len(names)} layers ({listed(names)}; {', '.join(types)}) "
+                       + several.format(r=span, step=record.step))
+        data: dict[str, Any] = {"hint": hint}
+        if len(names) > 1:
+            data.update(layers=names[:NAMED], ratios=ratios[:NAMED], count=len(names))
+        return self.finding(record, "warning", names[0], message, value=value, data=data)
+
+
+def listed(names: list[str]) -> str:
+    """``'0', '2', '4'``, or for more than :data:`SHOWN` layers ``'0', '2', '4' … '16', '18'``."""
+    quoted = [repr(n) for n in names]
+    if len(quoted) <= SHOWN:
+        return ", ".join(quoted)
+    return ", ".join(quoted[:3]) + " … " + ", ".join(quoted[-2:])
