@@ -50,7 +50,9 @@ class Exploding(Detector):
     also ``jump`` times the median of its last 5 healthy values (a slow trend is not an
     explosion) and ``peak_ratio`` times the largest healthy value in its window (an RNN's
     gradient, whose rare hard samples burst to 5-10 times its median, is judged against that
-    tail). Flagged and non-finite norms never enter a window.
+    tail). Flagged and non-finite norms never enter a window. A layout that renews parameters (a head
+    replaced, weights tied, ``load_state_dict(assign=True)``) restarts every baseline: its history was
+    another model's.
 
     A global norm of inf computed from finite gradient elements (their float32 sum of squares
     overflowed) is an explosion, at severity error, from step 0. ``limit`` is an absolute bound
@@ -142,9 +144,11 @@ class Exploding(Detector):
             return []
         layout = record.layout
         if layout.version != self._version:  # baselines carry over a new layout of the same layers (frozen, unfrozen)
-            if not layout.same_layers(self._layout):
+            if not layout.same_layers(self._layout) or layout.renewed:  # renewed: another model's history
                 self._layers, self._recent = Window(self.window, len(layout.layers)), Recent(RECENT, len(layout.layers))
                 self._bounds.clear()  # a new window may reuse the old one's id
+            if layout.renewed:
+                self._global, self._recent_global = Window(self.window), Recent(RECENT, 1)
             self._version, self._layout = layout.version, layout
         if not math.isfinite(total):
             # nothing enters the baselines; NaN/Inf elements are the nonfinite detector's

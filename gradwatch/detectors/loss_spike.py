@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.baseline import Values
@@ -64,7 +64,9 @@ class LossSpike(Detector):
     judged for a loss that was ever zero or negative (a policy-gradient loss has no scale to
     diverge from). It names a learning rate that is too high, unless the ``learning_rate``
     detector already did.
-    Losses of a spike or a divergence never enter a baseline.
+    Losses of a spike or a divergence never enter a baseline. A layout that renews parameters (a head
+    replaced, weights tied, ``load_state_dict(assign=True)``) restarts the judgement: the loss's history
+    was another model's.
 
     Attributes:
         z: robust z-score (of the log loss) beyond which a loss is a spike.
@@ -102,6 +104,7 @@ class LossSpike(Detector):
     _progressed: bool = field(default=False, init=False, repr=False)  # the level fell well below the start
     _signed: bool = field(default=False, init=False, repr=False)
     _spiked: int = field(default=-(10**9), init=False, repr=False)  # step of the last reported spike
+    _version: int = field(default=-1, init=False, repr=False)  # the layout version of the latest loss
 
     def __post_init__(self) -> None:
         self._win = Values(self.window)
@@ -112,6 +115,10 @@ class LossSpike(Detector):
         loss = record.scalars.get("loss")
         if loss is None or not math.isfinite(loss):
             return []
+        if record.layout.version != self._version:
+            if record.layout.renewed and self._version >= 0:
+                self._restart()
+            self._version = record.layout.version
         self._recent.append(loss)
         if loss <= 0 and not self._signed:  # no scale to diverge from; spikes are judged on the loss itself
             self._signed, self._win = True, Values(self.window)
@@ -159,6 +166,13 @@ class LossSpike(Detector):
         data = {"loss": loss, "median": median, "spread": spread, "hint": HINT}
         message += raised_lr(self.causes, record.step, data)
         return [self.finding(record, "warning", None, message, value=loss, data=data)]
+
+    def _restart(self) -> None:
+        """Judge as from the first loss (the settings, and the causes named, stay)."""
+        for f in fields(self):
+            if not f.init and f.name != "causes":
+                setattr(self, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
+        self.__post_init__()
 
     def _accept(self, loss: float) -> None:
         """Fold a healthy loss into the spike baseline (and the early level, and the largest drop)."""

@@ -45,7 +45,9 @@ class Vanishing(Detector):
     on the latest sampled step) is a consequence that ``dead_units`` reports, and so is any
     small gradient within 100 steps of a too-high learning rate named by another detector (it
     saturates and kills units); a step whose gradients are all exactly zero is ``zero_gradient``'s, and one whose
-    gradient norm overflows is ``exploding``'s.
+    gradient norm overflows is ``exploding``'s. A frozen layer (none of its parameters requires grad in the
+    record's layout) is not judged, whatever its ``.grad`` holds (zeros kept by ``zero_grad(set_to_none=False)``);
+    a layer whose parameters were renewed (a head replaced) starts its count anew, and the collapse its early size.
 
     Small by design is not vanishing: a trainable parameter (not a bias) whose values' RMS is at most
     ``GATE`` on the first sampled step (a layer scale at 1e-6, a ReZero gate at 0, a residual block's last
@@ -100,7 +102,12 @@ class Vanishing(Detector):
                 self._runs = np.zeros(len(layout.layers), dtype=np.int64)
                 self._explained = np.zeros(len(layout.layers), dtype=np.int64)
             self._version, self._layout, self._gates = layout.version, layout, None
-            self._scale, self._sized = 1.0 / np.sqrt(np.maximum(numel, 1.0)), numel > 0
+            self._scale, self._sized = 1.0 / np.sqrt(np.maximum(numel, 1.0)), (numel > 0) & trained(layout)
+            restart = ~self._sized  # frozen, or (renewed) other parameters than the counts were of: anew
+            restart[list(layout.renewed)] = True
+            self._runs[restart], self._explained[restart] = 0, 0
+            if layout.renewed and self._collapse.early:  # the early gradient size was another model's
+                self._collapse = Collapse()
         finite = record.gradients_finite()  # then so is every layer's norm
         if not finite:
             bad = record.vector("grad_nonfinite")
@@ -241,6 +248,18 @@ class Vanishing(Detector):
                                     data={"gate": layout.params[p], "gate_rms": size,
                                           "layers": [layout.layers[i] for i in named][:20]}))
         return out
+
+
+def trained(layout: Layout) -> np.ndarray:
+    """Per layer, whether it owns a parameter that requires grad (a frozen layer's gradient, whatever its
+    ``.grad`` holds, is no vanishing one); every layer where the layout does not say.
+    """
+    out = np.zeros(len(layout.layers), dtype=bool)
+    if len(layout.trainable) != len(layout.params):
+        out[:] = True
+    for layer, p in layout.owners if not out.all() else ():
+        out[layer] |= layout.trainable[p]
+    return out
 
 
 def _scope(layout: Layout, param: int, gated: frozenset[int] = frozenset()) -> str | None:

@@ -54,6 +54,9 @@ class Steps(Protocol):
     def manual_step(self) -> None:
         """The end of a backward pass in a loop that updates the parameters by hand."""
 
+    def follow(self) -> None:
+        """Look at the model again if it changed (a registration) since the last look."""
+
 
 class Iteration:
     """Tracks the iterations of one watched model through the probe's forward and backward hooks.
@@ -119,16 +122,35 @@ class Iteration:
 
     def relayout(self, found: Discovered) -> None:
         """A new layout: the sentinel moves to its first trainable parameter."""
-        self.found = found
+        leaves = found is self.found or found.leaf_modules is not self.found.leaf_modules  # (first, or new ones)
+        self.retrained(found)
         self.buffers.watch()
         self.probe.quiet = self.again = False
-        self.sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
-        self.probe.watch_backward(found.params[self.sentinel])
         self._ref_idx, self.refs = preclip.reference_indices(found.params), None
         if self._compiled:
             self.probe.keep_root_hooks()
-        if (self._compiled or self.probe.keep_hooks) and self._options.activations:  # hooks in the graph:
-            self.probe.keep_activation_hooks(found.leaf_modules)                       # registered before it is traced
+        if leaves and (self._compiled or self.probe.keep_hooks) and self._options.activations:  # hooks in the
+            self.probe.keep_activation_hooks(found.leaf_modules)                    # graph: registered before tracing
+
+    def retrained(self, found: Discovered) -> None:
+        """A new version of the layout (some parameters frozen or unfrozen, or a new one): the sentinel stays
+        on its parameter while that is a trainable one of ``found`` (else it moves to the first), and what
+        this iteration remembers of a parameter by index moves to that parameter's index in ``found``.
+        """
+        old, self.found = self.found, found
+        index = {id(p): i for i, p in enumerate(found.params)}
+        kept = index.get(id(old.params[self.sentinel])) if found is not old else None
+        if kept is not None and found.params[kept].requires_grad:
+            self.sentinel = kept  # still a trainable parameter of the model: its hooks stand
+        else:
+            self.sentinel = sentinel = next(i for i, p in enumerate(found.params) if p.requires_grad)
+            self.probe.watch_backward(found.params[sentinel])
+            if self.backward is not None:  # an iteration under way: its gradients as the new sentinel holds them
+                grad = found.params[sentinel].grad
+                self.backward = (id(grad), grad._version) if grad is not None else None
+        if self.at_step is not None:
+            at = index.get(id(old.params[self.at_step[0]]))
+            self.at_step = (at, *self.at_step[1:]) if at is not None else None
 
     def move_sentinel(self) -> None:
         """Put the sentinel on a parameter that does receive gradients."""
@@ -152,6 +174,7 @@ class Iteration:
         self.began, self.forwarded = False, True
         if steps.has_open_step():
             steps.close_step()
+        steps.follow()  # a submodule or parameter set since: this iteration runs the model as it is now
         if self.buffers.step != steps.step:  # the step's first forward call: its buffers as they are now
             self.buffers.save(steps.step)
         if self.backward is not None and self.carry is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -46,6 +46,17 @@ def bounds(module: nn.Module) -> tuple[float, float] | None:
     return None
 
 
+_EPS: dict[torch.dtype, float] = {}
+
+
+def eps(dtype: torch.dtype) -> float:
+    """The machine epsilon the layout keeps for a parameter of ``dtype`` (0 where it is not floating point)."""
+    found = _EPS.get(dtype)
+    if found is None:
+        found = _EPS[dtype] = float(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+    return found
+
+
 @dataclass
 class Discovered:
     """A layout plus the torch objects its indices refer to."""
@@ -53,6 +64,8 @@ class Discovered:
     layout: Layout
     params: list[nn.Parameter]
     leaf_modules: list[tuple[int, nn.Module]]
+    #: every module of the model when discovered (a registration into one changes the layout)
+    modules: list[nn.Module] = field(default_factory=list)
 
 
 def discover(model: nn.Module, version: int) -> Discovered:
@@ -86,7 +99,9 @@ def discover(model: nn.Module, version: int) -> Discovered:
     owners: list[tuple[int, int]] = []
     leaf_modules: list[tuple[int, nn.Module]] = []
     inside = computing(inner)
+    modules = []
     for name, module in inner.named_modules():
+        modules.append(module)
         if id(module) in inside:
             continue  # computes a parametrized module's weight: its parameters are that module's
         own = [index[id(p)] for p in own_parameters(module) if id(p) in index]
@@ -114,7 +129,15 @@ def discover(model: nn.Module, version: int) -> Discovered:
         leaves=tuple(leaves),
         saturating=tuple(saturating),
         trainable=tuple(p.requires_grad for p in params),
-        eps=tuple(float(torch.finfo(p.dtype).eps) if p.is_floating_point() else 0.0 for p in params),
+        eps=tuple(eps(p.dtype) for p in params),
     )
-    return Discovered(layout, params, leaf_modules)
+    return Discovered(layout, params, leaf_modules, modules)
+
+
+def retrained(found: Discovered, trainable: tuple[bool, ...]) -> Discovered:
+    """``found`` as a new layout version where only which parameters require grad changed (the same
+    layers, parameters and indices: vectors measured with ``found`` fit it).
+    """
+    layout = replace(found.layout, version=found.layout.version + 1, trainable=trainable, renewed=())
+    return Discovered(layout, found.params, found.leaf_modules, found.modules)
 

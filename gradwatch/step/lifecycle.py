@@ -25,10 +25,10 @@ from gradwatch.step.openstep import Open
 from gradwatch.step.optimizers import Optimizers, closure_at, measured_closure, replace_closure
 from gradwatch.step.origin import Tracker
 from gradwatch.step.reading import Measured, Reading
-from gradwatch.step.relayout import Looks
+from gradwatch.step.relayout import Changes, Looks, Trainable
 from gradwatch.step.snapshots import Snapshots, rng_state
 from gradwatch.store.findings import Finding
-from gradwatch.store.records import AMP_SCALE, CLOSURE_EVALUATIONS, GRAD_STALE, StepRecord
+from gradwatch.store.records import AMP_SCALE, CLOSURE_EVALUATIONS, GRAD_STALE, PARAM, StepRecord
 from gradwatch.store.thread import Writer
 
 if TYPE_CHECKING:  # the settings are built by the public face (gradwatch.options)
@@ -58,12 +58,13 @@ class Lifecycle(Reading):
         self.closed = False
         self._model = weakref.ref(model)
         self.found, self.measure = found, Measure(found)
-        self.optimizers = Optimizers(found.params, grown=self.refresh_layout,
+        self.optimizers = Optimizers(found.params, grown=self._optimizer_changed,
                                      named=lambda names: writer.submit_meta(optimizers=names))
         self.open = self.pending = None
         self.one_closed = False
         self.sampled_also = set()
         self.looks = Looks(options.sample_period)
+        self.changes, self.trainable = Changes(found, guard), Trainable()  # the model changed? (relayout)
         self.current = None
         self.latest = {}
         self.since_snapshot, self.snapshots_failed = 0, False  # failed: one could not be written, no more are taken
@@ -76,6 +77,12 @@ class Lifecycle(Reading):
         # last: the probe's hooks are live from here on
         self.it = Iteration(model, found, options, tracker, self, on_step_pre=self.step_pre,
                             on_step_post=self.step_post, guard=guard, buffers=control.buffers)
+
+    def _optimizer_changed(self) -> None:
+        """A new optimizer, or param groups added: look at the model now (the next look by missing
+        gradients waits its period)."""
+        self.refresh_layout()
+        self.looks.looked(self.step)
 
     # --------------------------------------------------------- the step moment
     def step_pre(self, opt: torch.optim.Optimizer, args: tuple[Any, ...] = (),
@@ -117,6 +124,8 @@ class Lifecycle(Reading):
 
     def step_at(self, opt: torch.optim.Optimizer, scaled: bool) -> None:
         """The gradients ``opt`` is about to apply are final: open the step, or join the open one."""
+        if not self.closed:
+            self.follow()  # a submodule or parameter set since the last look
         entry = None if self.closed else self.optimizers.entry(opt)
         if entry is None:  # another model's optimizer: did it step on a backward pass through this one?
             self.it.served = self.it.served or (self.it.backward is not None and bool(self.optimizers.all()))
@@ -158,13 +167,20 @@ class Lifecycle(Reading):
 
     def _begin(self, opt: torch.optim.Optimizer | None, scaled: bool, held: int | None = None) -> Open | None:
         """The story of one step, up to the optimizer's update; None when the GradScaler drops it."""
-        if self.looks.due(self.measure.missing, self.step):         # the model changed? (gradwatch.step.relayout)
+        version = self.found.layout.version                         # the model changed? (gradwatch.step.relayout)
+        self.follow()
+        cast = self.sampled(self.step) and self.trainable.cast(self.found)
+        if self.looks.due(self.measure.missing, self.step) or cast:
             self.refresh_layout()
-            held = None  # an index of the layout before
+        held = held if self.found.layout.version == version else None  # else an index of the layout before
         step, now = self._count()                                   # open
         if self.leave_out:                                          # branch: an integration leaves it out
             return self._left_out(step, opt)
         measured = self._measure(step, opt)                         # measure: the step's one host read
+        trainable = self.trainable.now(self.found, measured.vectors.get((PARAM, "grad_norm")),
+                                       measured.launched.tidx if measured.launched.sampled else None)
+        if trainable is not None and any(trainable):                # frozen or unfrozen: a new version
+            self.retrain(trainable)
         if scaled and measured.nonfinite:                           # branch: the scaler skips the update
             self._overflowed(step, now, measured)
             return None

@@ -24,8 +24,10 @@ class Optimizers:
 
     Args:
         params: the watched parameters, in layout order.
-        grown: called when an optimizer holds parameters the layout does not know (parameters
-            added to the model and the optimizer); it re-discovers the layout and calls :meth:`reindex`.
+        grown: called when an optimizer's parameters changed (``add_param_group``), or one seen for the
+            first time holds parameters the layout does not know beside watched ones: a sign that the
+            model changed too (a new head, parameters unfrozen); it re-discovers the layout and calls
+            :meth:`reindex` when it did. (An optimizer rebuilt with known parameters tells nothing new.)
         named: called with the sorted class names of the optimizers whenever a new one is seen.
     """
 
@@ -46,8 +48,9 @@ class Optimizers:
         entry = self._entries.get(opt)
         if entry is None or entry.count != count:
             held = [p for g in opt.param_groups for p in g["params"]]
-            if entry is not None and any(id(p) not in self._index for p in held):
-                self._grown()  # parameters were added to the model and the optimizer
+            ours = [id(p) in self._index for p in held]
+            if entry is not None or (any(ours) and not all(ours)):
+                self._grown()  # param groups added, or new parameters: the model may have changed with them
             entry = Entry(count, [self._index[id(p)] for p in held if id(p) in self._index])
             known = opt in self._entries
             self._entries[opt] = entry

@@ -16,12 +16,12 @@ from gradwatch.judging.judge import Judge
 from gradwatch.step import stats
 from gradwatch.step.control import LoopControl
 from gradwatch.step.iteration import Iteration
-from gradwatch.step.layout import Discovered
+from gradwatch.step.layout import Discovered, retrained
 from gradwatch.step.measure import Measure
 from gradwatch.step.openstep import Open
 from gradwatch.step.optimizers import Optimizers
 from gradwatch.step.origin import Tracker
-from gradwatch.step.relayout import rediscovered
+from gradwatch.step.relayout import Changes, rediscovered
 from gradwatch.step.snapshots import Snapshots
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import StepRecord
@@ -52,6 +52,8 @@ class Recording:
     measure: Measure
     optimizers: Optimizers
     it: Iteration
+    #: registrations into the model since the last look (:mod:`gradwatch.step.relayout`)
+    changes: Changes
     _model: weakref.ref[torch.nn.Module]
     #: the step between its optimizer pre-hook and the start of the next iteration
     open: Open | None
@@ -185,6 +187,7 @@ class Recording:
     # ------------------------------------------------------------ the whole run
     def finish(self) -> None:
         """The run closes: record the open, dropped and pending steps."""
+        self.changes.close()
         if self.open is not None:
             self.close_step()
         if self.tracker is not None:
@@ -206,19 +209,33 @@ class Recording:
         self.open = self.pending = None
         self.it.carry = None
 
+    def follow(self) -> None:
+        """Look at the model again if a registration changed it since the last look (cheap otherwise)."""
+        if self.changes.dirty:
+            self.refresh_layout()
+
     def refresh_layout(self) -> None:
         """Re-discover the model's layers; a changed layout (:func:`rediscovered`) gets a new version."""
         model = self._model()
         if model is None:
             return
         found = rediscovered(model, self.found)
+        self.changes.dirty = False
         if found is None:
             return
         if self.open is not None:
             self.close_step()
         if self.pending is not None:
             self._record_pending_now()
-        self.it.probe.detach_activations()
+        if found.leaf_modules is not self.found.leaf_modules:  # other leaves: what the old ones collected is dropped
+            self.it.probe.detach_activations()
         self.found, self.measure = found, Measure(found)
+        self.changes.follow(found)
         self.optimizers.reindex(found.params)
         self.it.relayout(found)
+
+    def retrain(self, trainable: tuple[bool, ...]) -> None:
+        """Only which parameters require grad changed: a new version of the same layout, measured as it was
+        (its indices stand: the step being read keeps its vectors)."""
+        self.found = self.measure.found = retrained(self.found, trainable)
+        self.it.retrained(self.found)

@@ -140,9 +140,9 @@ def findings(db: Path, rows: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]
     return out
 
 
-def layout_info(db: Path, version: int, text: Any, layers: int, params: int) -> tuple[Any, Any, Any, Any]:
-    """(owners, saturating, trainable, eps) of a layout, checked against its numbers of layers and parameters
-    (``eps`` empty for a run stored before it was kept).
+def layout_info(db: Path, version: int, text: Any, layers: int, params: int) -> tuple[Any, Any, Any, Any, Any]:
+    """(owners, saturating, trainable, eps, renewed) of a layout, checked against its numbers of layers and
+    parameters (``eps`` and ``renewed`` empty for a run stored before they were kept).
     """
     what = f"the layout {version}"
     info = json_text(db, what, text)
@@ -153,11 +153,12 @@ def layout_info(db: Path, version: int, text: Any, layers: int, params: int) -> 
         saturating = tuple(int(i) for i in info["saturating"])
         trainable = tuple(bool(t) for t in info["trainable"])
         eps = tuple(float(e) for e in info.get("eps", ()))
+        renewed = tuple(int(i) for i in info.get("renewed", ()))
     if any(not (0 <= a < layers and 0 <= b < params) for a, b in owners) or \
-            any(not 0 <= i < layers for i in saturating) or len(trainable) not in (0, params) or \
+            any(not 0 <= i < layers for i in (*saturating, *renewed)) or len(trainable) not in (0, params) or \
             len(eps) not in (0, params):
         raise damaged(db, f"{what} refers to layers or parameters it does not have")
-    return owners, saturating, trainable, eps
+    return owners, saturating, trainable, eps, renewed
 
 
 def vector(db: Path, codec: Any, data: Any, mask: Any, n: int) -> tuple[np.ndarray, np.ndarray]:

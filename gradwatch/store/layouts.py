@@ -85,13 +85,13 @@ class Layouts:
             raise decode.sqlite_error(self._db, exc) from None
         names = [r[1] for r in layers]
         if info_rows:
-            owners, saturating, trainable, eps = decode.layout_info(self._db, version, info_rows[0][0], len(layers),
-                                                               len(params))
+            owners, saturating, trainable, eps, renewed = decode.layout_info(self._db, version, info_rows[0][0],
+                                                                             len(layers), len(params))
         else:
             position = {n: i for i, n in enumerate(names)}
             owners = tuple((position[owner], j) for j, r in enumerate(params)
                            if (owner := owner_name(r[1], position)) is not None)
-            saturating, trainable, eps = (), (True,) * len(params), ()
+            saturating, trainable, eps, renewed = (), (True,) * len(params), (), ()
         return Layout(
             version=version,
             layers=tuple(names),
@@ -104,4 +104,5 @@ class Layouts:
             saturating=saturating,
             trainable=trainable,
             eps=eps,
+            renewed=renewed,
         )

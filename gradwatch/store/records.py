@@ -53,6 +53,9 @@ class Layout:
         trainable: for each parameter, whether it required a gradient when discovered.
         eps: for each parameter, its dtype's machine epsilon when discovered (float32's 1.2e-7, bfloat16's
             7.8e-3; empty when not known: read from a run stored before it was kept).
+        renewed: the layers whose parameters are other objects than in the version before, or shared anew
+            (a head replaced, weights tied, ``load_state_dict(assign=True)``): their histories, and the
+            model's, restart (empty for a first version, and for one that only froze, unfroze or cast).
     """
 
     version: int
@@ -66,6 +69,7 @@ class Layout:
     saturating: tuple[int, ...] = ()
     trainable: tuple[bool, ...] = ()
     eps: tuple[float, ...] = ()
+    renewed: tuple[int, ...] = ()
 
     def names(self, scope: str) -> tuple[str, ...]:
         """The entry names of a scope (``"layer"`` or ``"param"``)."""

@@ -186,7 +186,7 @@ class StoreWriter:
             for i, (name, n) in enumerate(zip(layout.params, layout.param_numel))
         ]
         extra = {"owners": layout.owners, "saturating": layout.saturating, "trainable": layout.trainable,
-                 "eps": layout.eps}
+                 "eps": layout.eps, "renewed": layout.renewed}
         self._conn.execute("INSERT OR IGNORE INTO layouts VALUES (?, ?)", (layout.version, step))
         self._conn.execute("INSERT OR REPLACE INTO layout_info VALUES (?, ?)", (layout.version, json.dumps(extra)))
         self._conn.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", rows)

@@ -62,6 +62,18 @@ def every_module(pre: Hook, post: Hook) -> list[RemovableHandle]:
                                                                                             always_call=True)]
 
 
+def registrations(hook: Hook) -> list[RemovableHandle]:
+    """Have every module's registration of a submodule or a parameter (``module.head = nn.Linear(...)``,
+    ``register_parameter``, ``load_state_dict(assign=True)``) call ``hook(module, name, value)`` before it
+    takes effect; ``hook`` returns None (torch would register what it returns instead).
+    """
+    from torch.nn.modules.module import (register_module_module_registration_hook,
+                                         register_module_parameter_registration_hook)
+
+    return [register_module_module_registration_hook(_checked(hook)),
+            register_module_parameter_registration_hook(_checked(hook))]
+
+
 def tensor(tensor_: torch.Tensor, hook: Hook) -> RemovableHandle:
     """Register a hook on the gradient arriving at ``tensor_``."""
     return tensor_.register_hook(_checked(hook))
