@@ -97,6 +97,7 @@ class LossSpike(Detector):
     _early: float = field(default=math.nan, init=False, repr=False)  # the median of the first healthy losses
     _drop: float = field(default=0.0, init=False, repr=False)  # largest log drop between consecutive healthy losses
     _last: float = field(default=math.nan, init=False, repr=False)  # the last healthy loss
+    _peak: float = field(default=0.0, init=False, repr=False)  # the largest |healthy loss|: the loss's own scale
     _kept: list[float] = field(default_factory=list, init=False, repr=False)  # losses of a level above the bound
     _run: int = field(default=0, init=False, repr=False)
     _diverged: bool = field(default=False, init=False, repr=False)
@@ -157,9 +158,10 @@ class LossSpike(Detector):
         if not spike or self._run != 1 or held:
             return []
         self._spiked = record.step
-        if self._signed:
-            zscore = (loss - median) / max(spread, 1e-12)
-            how = f"{zscore:.3g} std above its recent median {median:.4g}"
+        if self._signed and spread > 0:
+            how = f"{(loss - median) / spread:.3g} std above its recent median {median:.4g}"
+        elif self._signed:  # recent losses all alike: no spread to count in
+            how = f"{loss - median:.4g} above its recent losses, all {median:.4g} (largest so far {self._peak:.4g})"
         else:
             how = f"{loss / median:.3g}x its recent median {median:.4g}"
         message = f"loss {loss:.4g} at step {record.step} is {how}."
@@ -183,6 +185,7 @@ class LossSpike(Detector):
         if not (self._signed or self._progressed) and self._last > loss:
             self._drop = max(self._drop, math.log(self._last / loss))
         self._last = loss
+        self._peak = max(self._peak, abs(loss))
 
     def _spike(self, loss: float) -> tuple[bool, float, float]:
         """Whether ``loss`` is a spike, and the window's median and spread (of the loss itself).
@@ -196,7 +199,11 @@ class LossSpike(Detector):
         if win.count < self.warmup:
             return False, math.nan, math.nan
         if self._signed:
-            median, spike = center, loss - center > max(self.z * spread, self.ratio * abs(center))
+            # and by ``share`` of the largest loss seen: a loss that was exactly 0 for a while has no spread and
+            # no level to spike from (a hinge loss at 0 that a sample lifts to 6e-5), and one never away from 0 none
+            median = center
+            spike = loss - center > max(self.z * spread, self.ratio * abs(center)) and \
+                loss - center >= self.share * self._peak > 0
         else:
             median = math.exp(center)
             spike = math.log(loss) - center > max(self.z * spread, math.log1p(self.ratio))
