@@ -12,6 +12,7 @@ closed: its store said ``running``, read as ``crashed``, with no step written).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import threading
@@ -186,6 +187,24 @@ class Writer:
             while self._running:
                 self._ended.acquire(timeout=_POLL)
         self._tell()
+
+    def orphan(self) -> None:
+        """In a child forked from the process this writer writes for: its thread is not here (a fork copies only
+        the forking thread), so nothing is handed over nor waited for any more (:meth:`flush` and :meth:`close`
+        return at once), and the sinks are left as they are, for good.
+
+        The sinks are the parent's: its store's SQLite connection (which a child must not use, closing it
+        included: its close may checkpoint stale pages into the parent's file) and its run lock (an ``flock``,
+        shared with the parent: unlocked here, it would be unlocked there). Neither is closed, nor freed when
+        the child's interpreter ends (one reference more that nothing gives back); the child's copies of their
+        file descriptors close as the child exits, which leaves the parent's as they are.
+        """
+        self._running, self.died = False, None
+        self._items.clear()
+        self._notices.clear()
+        for sink in self._sinks:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(sink))
+        self._sinks = []
 
     def _run(self) -> None:
         try:

@@ -7,7 +7,9 @@ and closes the runs still open with :func:`outcome`: ``terminated`` (signal N), 
 
 from __future__ import annotations
 
+import os
 import signal as signals
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,21 @@ class Ending:
 NOW = Ending()
 
 
+def forked() -> None:
+    """In a child forked from this process: how the parent was ending (a signal it got, its ``sys.exit`` calls)
+    is not the child's; the runs the child watches itself start from nothing known.
+    """
+    NOW.__dict__.update(vars(Ending()))
+
+
+def signal_again(signum: int) -> None:
+    """Send ``signum`` to this process again after :data:`CLOSE_SECONDS` (the runs are closed then, whatever
+    the hook that the first one stopped is doing).
+    """
+    time.sleep(CLOSE_SECONDS)
+    os.kill(os.getpid(), signum)
+
+
 def exit_code(status: Any) -> int:
     """The process's exit status for ``sys.exit(status)``: None is 0, an int itself, anything else 1."""
     if status is None:
@@ -48,8 +65,10 @@ def exiting(status: Any, steps: dict[int, int]) -> None:
     NOW.steps_at_exit = dict(steps)
 
 
-def raised(kind: type[BaseException], value: BaseException) -> None:
-    """An exception nothing caught ends the process (an uncaught KeyboardInterrupt: Python's own SIGINT exit)."""
+def raised(kind: type[BaseException], value: BaseException, tb: object = None) -> None:
+    """An exception nothing caught ends the process (an uncaught KeyboardInterrupt: Python's own SIGINT exit);
+    the excepthook's arguments.
+    """
     if issubclass(kind, KeyboardInterrupt):
         NOW.signal = NOW.signal or int(signals.SIGINT)
         return

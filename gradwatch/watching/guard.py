@@ -61,6 +61,7 @@ KINDS = {
     "excepthook": "noting an uncaught exception (the runs close as crashed)",
     "signal": "a signal that ends the process (SIGTERM): the runs close as terminated",
     "exit": "a call of sys.exit: its code is noted for the runs closed at exit",
+    "fork": "a child forked from the watching process: the watchers it inherited go quiet there",
 }
 
 

@@ -121,6 +121,15 @@ def at_exit(hook: Hook) -> None:
     atexit.register(_checked(hook))
 
 
+def at_fork(hook: Hook) -> None:
+    """Run ``hook()`` in every child forked from this process (``os.fork``, multiprocessing's and DataLoader's
+    ``fork``), in the child's one thread, before ``fork`` returns there.
+    """
+    import os
+
+    os.register_at_fork(after_in_child=_checked(hook))
+
+
 def excepthook(hook: Hook) -> None:
     """Have ``hook(kind, value, tb)`` note every uncaught exception, then the previous excepthook run."""
     import sys

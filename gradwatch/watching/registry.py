@@ -130,11 +130,12 @@ def _watch_class(cls: type[nn.Module], run: str | Path | None, rules: Any, expli
     """
     original = cls.__init__
     start = functools.partial(watch, run=run, rules=rules, **explicit)
+    owner = os.getpid()  # an instance made in a forked child is not watched (see _forked)
 
     @functools.wraps(original)
     def __init__(self: nn.Module, *args: Any, **kw: Any) -> None:
         original(self, *args, **kw)
-        if self not in _pending and _find(self) is None:
+        if self not in _pending and _find(self) is None and os.getpid() == owner:
             _pending[self] = (register.forward_pre(self, _PROCESS.hook("first_forward", _first_forward)), start)
 
     cls.__init__ = __init__  # type: ignore[method-assign]
@@ -240,6 +241,17 @@ def _dropped(watcher_: Watcher) -> None:
     watcher_.close(status, detail)
 
 
+def _forked() -> None:
+    """In a child forked from this process: the watchers it inherited go quiet (:meth:`Watcher.orphan`), none
+    closes a run at the child's exit, and no instance of a watched class is watched there (docs/watching.md)."""
+    ending.forked()
+    for watcher_ in {*_watchers.values(), *_live}:
+        watcher_.orphan()
+    _live.clear()
+    while _pending:
+        _pending.popitem()[1][0].remove()
+
+
 def _steps() -> dict[int, int]:
     return {id(w): w.step for w in _live}
 
@@ -268,7 +280,7 @@ def _signalled(signum: int, frame: Any, dying: bool) -> bool:
         return False
     _terminating = True
     register.after_return(inside, _PROCESS.hook("signal", lambda: _terminate(signum)))
-    register.thread(_PROCESS.hook("signal", lambda: _signal_again(signum)), "gradwatch-terminating")
+    register.thread(_PROCESS.hook("signal", lambda: ending.signal_again(signum)), "gradwatch-terminating")
     return True
 
 
@@ -277,11 +289,6 @@ def _terminate(signum: int) -> None:
         _close_all()
     finally:
         register.die(signum)
-
-
-def _signal_again(signum: int) -> None:
-    time.sleep(ending.CLOSE_SECONDS)
-    os.kill(os.getpid(), signum)
 
 
 def _exiting(status: Any) -> None:
@@ -300,18 +307,15 @@ def _failed(exc: BaseException, kind: str, args: tuple[Any, ...]) -> None:
 _PROCESS = entry.Guard(_failed)
 
 
-def _crashing(kind: type[BaseException], value: BaseException, tb: object) -> None:
-    ending.raised(kind, value)
-
-
 def _install_exit_handlers() -> None:
     global _installed
     if _installed:
         return
     _installed = True
     register.at_exit(_PROCESS.hook("atexit", _close_all))
-    register.excepthook(_PROCESS.hook("excepthook", _crashing))
+    register.excepthook(_PROCESS.hook("excepthook", ending.raised))
     register.exit_calls(_PROCESS.hook("exit", _exiting))
+    register.at_fork(_PROCESS.hook("fork", _forked))
 
 
 def _install_signal_handlers() -> None:

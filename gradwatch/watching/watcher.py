@@ -220,6 +220,23 @@ class Watcher(FrameworkAPI):
             if self._on_close is not None:
                 self._on_close(self)
 
+    def orphan(self) -> None:
+        """In a child forked from the watching process (``os.fork``, multiprocessing's ``fork``, a DataLoader
+        worker): this watcher goes quiet there for good. Its hooks are removed (the child trains at full speed),
+        nothing is recorded, flushed or closed (the run and its writer thread are the parent's, which goes on
+        with them), and it stays reachable, closed (``gw.watcher(model).observe(...)`` does nothing):
+        ``gw.watch(model, run=...)`` in the child watches the model anew, into a run of its own.
+        """
+        if self.detached and self.closed:
+            return
+        self.detached = True
+        self.guard.detach()  # a hook torch still calls (an output's, of a graph made before the fork) does nothing
+        self._steps.closed = True
+        self._steps.abandon()
+        self._steps.changes.close()
+        self._steps.it.probe.detach()
+        self._writer.orphan()
+
     def _write_verdict(self, status: str, detail: dict[str, Any] | None = None) -> None:
         if not self.writes:
             return
