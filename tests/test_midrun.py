@@ -295,3 +295,14 @@ def test_a_renewed_layer_is_not_judged_against_the_old_ones_history(tmp_path: Pa
     assert loud(run) == []
     layout = run.layout()
     assert [layout.layers[i] for i in layout.renewed] == renewed
+
+
+def test_unwatch_leaves_no_registration_hook(tmp_path: Path) -> None:
+    from torch.nn.modules import module as torch_module
+
+    hooks = (torch_module._global_module_registration_hooks, torch_module._global_parameter_registration_hooks)
+    before = [dict(h) for h in hooks]
+    model = gw.watch(Net(), run=tmp_path / "run", console=False)
+    assert [len(h) for h in hooks] == [len(b) + 1 for b in before]
+    gw.unwatch(model)
+    assert [dict(h) for h in hooks] == before

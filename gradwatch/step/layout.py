@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -64,8 +65,9 @@ class Discovered:
     layout: Layout
     params: list[nn.Parameter]
     leaf_modules: list[tuple[int, nn.Module]]
-    #: every module of the model when discovered (a registration into one changes the layout)
-    modules: list[nn.Module] = field(default_factory=list)
+    #: every module of the model when discovered (a registration into one changes the layout), held weakly:
+    #: the watcher never keeps the model alive
+    modules: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
 
 
 def discover(model: nn.Module, version: int) -> Discovered:
@@ -99,9 +101,9 @@ def discover(model: nn.Module, version: int) -> Discovered:
     owners: list[tuple[int, int]] = []
     leaf_modules: list[tuple[int, nn.Module]] = []
     inside = computing(inner)
-    modules = []
+    modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
     for name, module in inner.named_modules():
-        modules.append(module)
+        modules.add(module)
         if id(module) in inside:
             continue  # computes a parametrized module's weight: its parameters are that module's
         own = [index[id(p)] for p in own_parameters(module) if id(p) in index]

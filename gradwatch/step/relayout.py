@@ -96,12 +96,12 @@ class Changes:
 
     def __init__(self, found: Discovered, guard: Guard) -> None:
         self.dirty = False
-        self._members: weakref.WeakSet[nn.Module] = weakref.WeakSet(found.modules)
+        self._members: weakref.WeakSet[nn.Module] = found.modules
         self._handles: list[RemovableHandle] = register.registrations(guard.hook("registration", self._registered))
 
     def follow(self, found: Discovered) -> None:
         """The model was looked at: ``found`` is its layout now (its modules are the watched ones)."""
-        self._members = weakref.WeakSet(found.modules)
+        self._members = found.modules
         self.dirty = False
 
     def _registered(self, module: nn.Module, name: str, value: object) -> None:
