@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 import os
 import socket
 import struct
@@ -216,7 +217,8 @@ class TensorBoard:
                         "returns; the run store keeps the records", self._run, exc.strerror or exc)
 
     def _write(self, records: Sequence[StepRecord]) -> None:
-        pack = struct.Struct("<f").pack
+        f32, top = struct.Struct("<f").pack, 3.4028234663852886e38  # a finite scalar beyond float32's: its end
+        pack = lambda v: f32(min(max(v, -top), top) if math.isfinite(v) else v)  # noqa: E731
         for rec in records:
             parts = [] if rec.flight else [self._global(k) + pack(v) for k, v in rec.scalars.items()]
             if rec.skipped and not rec.flight:

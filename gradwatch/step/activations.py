@@ -27,12 +27,15 @@ any number of forward calls per step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from gradwatch.step.stats import activation_stats, saturated_rows, stacked
+from gradwatch.step.ranges import NARROW
+from gradwatch.step.stats import activation_stats, saturated_rows, stacked, vector_norm
 
 #: outputs of at most this many elements are reduced together when the step reads them (beyond it,
 #: one launch per reduction costs about what stacking them does)
@@ -56,6 +59,45 @@ class Reduced:
     #: the counted elements of the calls whose ``counted`` is NaN (summed on the device: :class:`Slot`),
     #: in order, as 1-D float32 tensors
     counts: list[torch.Tensor] = field(default_factory=list)
+    #: how each call's norm was taken (None: all in float32): :data:`WIDE` in float64, :data:`EXACT` scaled
+    how: np.ndarray | None = None
+    #: the leaves measured scaled from now on (the collector's, which the host's read adds to)
+    scaled: set[int] | None = None
+
+
+#: a call's norm was a float64 sum of squares (a float64 or complex128 output)
+WIDE = 1
+#: a call's norm was taken scaled (:func:`gradwatch.step.ranges.scaled_norms`): right at any scale
+EXACT = 2
+
+
+def outputs(output: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The floating-point and complex tensors of a module's output, in order: the output itself, or
+    those inside a tuple, list, named tuple, dict (a ``ModelOutput``) or dataclass, however nested.
+    """
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() or output.is_complex() else []
+    if depth > 8:
+        return []
+    if isinstance(output, dict):
+        items: Any = output.values()
+    elif isinstance(output, (tuple, list)):
+        items = output
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        items = [getattr(output, f.name, None) for f in dataclasses.fields(output)]
+    else:
+        return []
+    return [t for item in items for t in outputs(item, depth + 1)]
+
+
+def _how(out: torch.Tensor) -> int:
+    return WIDE if out.dtype in (torch.float64, torch.complex128) else 0
+
+
+def _why(exc: Exception) -> str:
+    """An error in a few words (its type and first line)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:200]
 
 
 class Slot:
@@ -87,12 +129,17 @@ class Collected:
         self.slots: list[Slot] = []
         #: some slot has sums (set by a call, which never reads it: nothing for dynamo to guard on)
         self.summed = False
+        #: leaves whose norms did not fit a float32 (or float64) sum of squares: measured scaled in their hook
+        self.scaled: set[int] = set()
+        #: leaves whose statistics torch could not compute, with why: left out from then on, said once
+        self.failed: dict[int, str] = {}
         self.clear()
 
     def clear(self) -> None:
         """Forget everything collected."""
         self.done: list[Reduced] = []
-        self._one: list[tuple[int, list[torch.Tensor], int]] = []
+        #: calls reduced one by one: leaf, statistics, counted elements, how the norm was taken
+        self._one: list[tuple[int, list[torch.Tensor], int, int]] = []
         #: small outputs by (shape, dtype, output range of a bounded activation): each call's leaf,
         #: its output (or a copy) and the output's version counter when held (-1: a copy)
         self._small: dict[tuple[torch.Size, torch.dtype, tuple[float, float] | None],
@@ -128,14 +175,19 @@ class Collected:
         Its outputs are counted once: skipped when the leaf's forward call gave them already (``use_reentrant=
         False``), taken when it ran without gradients and was not measured (``use_reentrant=True``).
         """
-        if recomputed and index in self._forward:
+        if recomputed and index in self._forward or index in self.failed:
             return
         if not recomputed:
             self._forward.add(index)
         n = out.numel()
-        if n > BATCHED or not out.is_cpu:
-            values, counted = activation_stats(out, limits)
-            self._one.append((index, values, counted))
+        scaled = index in self.scaled
+        if n > BATCHED or not out.is_cpu or scaled or out.dtype not in NARROW and out.dtype != torch.float64:
+            try:
+                values, counted = activation_stats(out, limits, scaled)
+            except Exception as exc:  # a dtype or layout torch does not reduce: this leaf is left out
+                self.failed[index] = _why(exc)
+                return
+            self._one.append((index, values, counted, EXACT if scaled else _how(out)))
             return
         indices, outs, versions, copies = self._small.setdefault((out.shape, out.dtype, limits), ([], [], [], []))
         indices.append(index)
@@ -177,15 +229,31 @@ class Collected:
                 kept.append(index)
             if not kept:
                 continue
-            rows, nonzero = self._stacked(rows_of, shape)
-            indices = kept
-            self.done.append(Reduced(
-                np.asarray(indices, dtype=np.int64), np.full(len(indices), float(rows.shape[1])),
-                [torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)],
-                [nonzero.sum(1, dtype=torch.int32).float()],  # int32: 2.4x faster than int64 on a CPU
-                np.full(len(indices), limits is not None),
-                [saturated_rows(rows, limits).float()] if limits is not None else []))
+            try:
+                self._reduce_rows(kept, rows_of, shape, limits)
+            except Exception:  # some leaf's outputs cannot be reduced so: each call on its own
+                for index, out in zip(kept, rows_of):
+                    if index in self.failed:
+                        continue
+                    try:
+                        values, counted = activation_stats(out, limits)
+                    except Exception as exc:
+                        self.failed[index] = _why(exc)
+                        continue
+                    self._one.append((index, values, counted, _how(out)))
         self._small, self._kept = {}, 0
+
+    def _reduce_rows(self, indices: list[int], rows_of: list[torch.Tensor], shape: torch.Size,
+                     limits: tuple[float, float] | None) -> None:
+        """One group's calls (same shape and type) as the rows of a matrix, reduced together."""
+        rows, nonzero = self._stacked(rows_of, shape)
+        self.done.append(Reduced(
+            np.asarray(indices, dtype=np.int64), np.full(len(indices), float(rows.shape[1])),
+            [vector_norm(rows, dim=1)],
+            [nonzero.sum(1, dtype=torch.int32).float()],  # int32: 2.4x faster than int64 on a CPU
+            np.full(len(indices), limits is not None),
+            [saturated_rows(rows, limits).float()] if limits is not None else [],
+            how=np.full(len(indices), WIDE, dtype=np.int8) if _how(rows) else None, scaled=self.scaled))
 
     def _stacked(self, outs: list[torch.Tensor], shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
         """The outputs as the rows of a matrix, and whether each element is non-zero, in reused memory."""
@@ -205,13 +273,14 @@ class Collected:
         self._reduce_small()
         if self._one:
             one = self._one
-            bounded = np.fromiter((len(values) == 3 for _, values, _ in one), dtype=bool, count=len(one))
-            sat = [values[2] for _, values, _ in one if len(values) == 3]
+            bounded = np.fromiter((len(values) == 3 for _, values, _, _ in one), dtype=bool, count=len(one))
+            sat = [values[2] for _, values, _, _ in one if len(values) == 3]
+            how = np.fromiter((h for _, _, _, h in one), dtype=np.int8, count=len(one))
             self.done.append(Reduced(
-                np.fromiter((i for i, _, _ in one), dtype=np.int64, count=len(one)),
-                np.fromiter((c for _, _, c in one), dtype=np.float64, count=len(one)),
-                stacked([values[0] for _, values, _ in one]), stacked([values[1] for _, values, _ in one]),
-                bounded, stacked(sat)))
+                np.fromiter((i for i, _, _, _ in one), dtype=np.int64, count=len(one)),
+                np.fromiter((c for _, _, c, _ in one), dtype=np.float64, count=len(one)),
+                stacked([values[0] for _, values, _, _ in one]), stacked([values[1] for _, values, _, _ in one]),
+                bounded, stacked(sat), how=how if how.any() else None, scaled=self.scaled))
         if self.summed:
             self._take_sums()
         taken = self.done
@@ -229,7 +298,7 @@ class Collected:
             bounded = np.fromiter((slot.limits is not None for slot in slots), dtype=bool, count=len(slots))
             self.done.append(Reduced(
                 np.fromiter((slot.index for slot in slots), dtype=np.int64, count=len(slots)),
-                np.full(len(slots), np.nan), [sums[:, 0].sqrt().float()], [sums[:, 2].float()], bounded,
+                np.full(len(slots), np.nan), [sums[:, 0].sqrt()], [sums[:, 2].float()], bounded,
                 [torch.stack([slot.sums[3] for slot in slots if slot.limits is not None]).float()]  # type: ignore[index]
                 if bounded.any() else [],
                 [sums[:, 1].float()]))

@@ -7,6 +7,7 @@ reads them (with its own extra values) in one host copy and hands the numbers ba
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,10 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gradwatch.step import stats
+from gradwatch.step import ranges, stats
 from gradwatch.step.activations import Reduced
+from gradwatch.step.actvectors import activation_vectors
 from gradwatch.step.aggregate import Aggregator
 from gradwatch.step.layout import Discovered
+from gradwatch.step.scales import Notes, Scales, put_right
+from gradwatch.store.findings import Finding
 from gradwatch.store.records import LAYER, PARAM
 
 #: the activation statistics of a step's leaf calls
@@ -73,6 +77,8 @@ class Launched:
     #: the parameters are sharded across ranks: ``parts`` are this rank's shards' statistics
     #: (see :meth:`Measure.spans` for how to combine them across ranks)
     sharded: bool = False
+    #: statistics torch could not compute: ``{statistic: {position in its list: why}}`` (0 in ``parts``)
+    failed: dict[str, dict[int, str]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -103,6 +109,12 @@ class Measure:
         self._pool: dict[int, torch.Tensor] = {}
         #: the parameters with a gradient at the latest snapshot (those without one are not updated)
         self._snapped: set[int] = set()
+        #: the parameters whose norms are taken scaled, or known to be zero (see :mod:`gradwatch.step.ranges`)
+        self.scales = Scales()
+        #: what could not be measured, or was stored saturated: said once (:meth:`findings`)
+        self.noted = Notes()
+        #: the latest update norms' tensors and parameters, kept to re-measure one (CPU buffers only)
+        self._moved: tuple[list[int], list[torch.Tensor]] | None = None
 
     @torch.no_grad()
     def launch(self, sampled: bool, acts: Activations) -> Launched:
@@ -124,20 +136,43 @@ class Measure:
         if shards:  # FSDP: each rank measures its shards; the watcher combines them across ranks
             grads = [local(g) for g in grads]
         every = gidx is self._every and not shards and self._groups.useful  # grouped by shape
-        gnorms = self._groups.norms(grads) if every else None
-        parts = [gnorms] if gnorms is not None else stats.stacked(stats.norms(grads))
-        out = Launched(sampled, gidx, grads, parts=parts, sharded=shards)
+        gnorms = self._groups.norms(grads) if every and not self.scales.scaled["grad"] else None
+        out = Launched(sampled, gidx, grads, sharded=shards)
+        out.parts = [gnorms] if gnorms is not None else stats.stacked(self._norms(out, "grad", grads, gidx))
         if sampled:
             out.tidx = [i for i, p in enumerate(params) if p.requires_grad]
             out.acts = acts
             gmax = self._groups.max_abs(grads) if every else None
-            out.parts += [gmax] if gmax is not None else stats.max_abs_stacked(grads)
-            wnorms = self._groups.norms(params) if every and len(out.tidx) == len(params) else None
-            out.parts += [wnorms] if wnorms is not None else stats.stacked(stats.norms(self._weights(out.tidx)))
+            if gmax is None:
+                try:
+                    out.parts += stats.max_abs_stacked(grads)
+                except Exception:  # some gradient's type or layout: each on its own
+                    out.parts += stats.stacked(stats.norms(grads, math.inf, out.failed.setdefault("grad_max", {})))
+            else:
+                out.parts.append(gmax)
+            wnorms = self._groups.norms(params) if every and len(out.tidx) == len(params) \
+                and not self.scales.scaled["param"] else None
+            out.parts += [wnorms] if wnorms is not None else \
+                stats.stacked(self._norms(out, "param", self._weights(out.tidx), out.tidx))
             # activation norms, then non-zero counts, then saturated counts (a few 1-D tensors each)
             out.parts += [p for r in acts for p in r.norms] + [p for r in acts for p in r.nonzeros] + \
                 [p for r in acts for p in r.saturated] + [p for r in acts for p in r.counts]
         return out
+
+    def _norms(self, out: Launched, stat: str, tensors: list[torch.Tensor], idx: list[int]) -> list[torch.Tensor]:
+        """Plain and scaled norms of a statistic's tensors (:class:`Scales`); failures go to ``out.failed``."""
+        return self.scales.norms(tensors, idx, stat, out.failed.setdefault(f"{stat}_norm", {}))
+
+    def rescue(self, step: Launched, host: np.ndarray) -> None:
+        """Put right in ``host`` (the step's read) the norms that did not fit their sum of squares (one more read,
+        on a rare step); those torch could not compute are 0 there (out of the global norm), and noted."""
+        weights = self._weights(step.tidx) if step.sampled else []
+        put_right(self.scales, self.noted, self.found.layout, step.gidx, step.grads, step.tidx, weights,
+                  host, step.sampled, step.sharded, step.failed)
+
+    def findings(self, step: int, leaves: dict[int, str]) -> list[Finding]:
+        """The ``unmeasured`` findings (info) of what was not measured or stored saturated, each once."""
+        return self.noted.findings(step, self.found.layout, leaves)
 
     def _weights(self, idx: list[int]) -> list[torch.Tensor]:
         """The parameters at ``idx`` (this rank's shards when sharded)."""
@@ -159,12 +194,14 @@ class Measure:
             spans += [(n, 2 * n, "max"), (2 * n, 2 * n + len(step.tidx), "norm")]
         return spans
 
-    def vectors(self, step: Launched, host: np.ndarray, *, finite: bool) -> dict[tuple[str, str], np.ndarray]:
+    def vectors(self, step: Launched, host: np.ndarray, *, finite: bool,
+                sound: bool = True) -> dict[tuple[str, str], np.ndarray]:
         """Per-parameter and per-layer vectors from the host copy of ``step.parts``.
 
         On the rare step with a non-finite gradient norm, the non-finite elements of the
         offending gradients are counted with one more read (a finite norm means none).
-        ``finite``: the step's global gradient norm is finite (then so is every norm).
+        ``finite``: the step's global gradient norm is finite (then so is every norm); ``sound``: its loss
+        is finite or unknown (then, with ``finite``, an infinite activation norm is a sum of squares that overflowed).
         """
         P, n = len(self.found.params), len(step.gidx)
         gnorm = host[:n]
@@ -180,6 +217,11 @@ class Measure:
         if len(bad):
             idx = np.asarray(step.gidx)[bad]
             pv["grad_nonfinite"][idx] = stats.to_host(stats.nonfinite_counts([step.grads[i] for i in bad]))
+        lost = {stat: np.asarray(step.tidx if stat == "param_norm" else step.gidx)[list(failed)]
+                for stat, failed in step.failed.items() if failed}  # left out (said once: :meth:`rescue`)
+        if "grad_norm" in lost:
+            pv["grad_norm"] = pv["grad_norm"].copy()
+            pv["grad_norm"][lost["grad_norm"]] = np.nan
         lv = {
             "grad_norm": self._agg.norm(pv["grad_norm"], has),
             "grad_nonfinite": self._agg.zeros if pv["grad_nonfinite"] is self._zeros
@@ -193,38 +235,23 @@ class Measure:
             pv["param_norm"] = np.full(P, np.nan)
             pv["param_norm"][step.tidx] = host[k:k + len(step.tidx)]
             k += len(step.tidx)
+            for stat in ("grad_max", "param_norm"):
+                pv[stat][lost.get(stat, [])] = np.nan
             lv["grad_max"] = self._agg.max(pv["grad_max"], has)
             lv["param_norm"] = self._agg.norm(pv["param_norm"], ~np.isnan(pv["param_norm"]))
-            lv.update(self._activations(step.acts, host[k:]))
-        return {**{_key(LAYER, m): v.astype(np.float32, copy=False) for m, v in lv.items()},
-                **{_key(PARAM, m): v.astype(np.float32, copy=False) for m, v in pv.items()}}
+            lv.update(activation_vectors(step.acts, host[k:], finite and sound, self.found.layout, self._bounded,
+                                         self.noted.pending))
+        return {**{_key(LAYER, m): self._stored(LAYER, m, v) for m, v in lv.items()},
+                **{_key(PARAM, m): self._stored(PARAM, m, v) for m, v in pv.items()}}
 
-    def _activations(self, acts: Activations, host: np.ndarray) -> dict[str, np.ndarray]:
-        L = len(self.found.layout.layers)
-        if acts:
-            index = np.concatenate([r.index for r in acts])
-            bounded = np.concatenate([r.bounded for r in acts])
-            count = np.concatenate([r.counted for r in acts])
-        else:
-            index, bounded, count = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0)
-        n, b = len(index), int(bounded.sum())
-        # host: every call's norm, then every call's number of non-zeros, then the saturated counts, then
-        # the counted elements of the calls summed on the device (NaN in ``counted``)
-        device = np.isnan(count)
-        if device.any():
-            count[device] = host[2 * n + b:2 * n + b + int(device.sum())]
-        sumsq = np.bincount(index, weights=host[:n] ** 2, minlength=L)
-        numel = np.bincount(index, weights=count, minlength=L)
-        zeros = numel - np.bincount(index, weights=host[n:2 * n], minlength=L)  # the device counted non-zeros
-        sat = np.bincount(index[bounded], weights=host[2 * n:2 * n + b], minlength=L)
-        seen = numel > 0
-        with np.errstate(invalid="ignore", divide="ignore"):
-            sat_frac = np.where(seen & self._bounded, sat / numel, np.nan)
-            return {
-                "act_norm": np.where(seen, np.sqrt(sumsq), np.nan),
-                "act_zero_frac": np.where(seen, zeros / numel, np.nan),
-                "act_sat_frac": sat_frac,
-            }
+    def _stored(self, scope: str, metric: str, values: np.ndarray) -> np.ndarray:
+        """A vector as the store keeps it (float32), saturated where beyond float32's range (noted per layer)."""
+        out, beyond = ranges.stored(values)
+        if beyond is not None and scope == LAYER:
+            for i in np.flatnonzero(beyond).tolist():
+                self.noted.pending.append((self.found.layout.layers[i], metric, f"beyond float32's range ({values[i]:.3g}): "
+                                   f"stored as {float(out[i]):.3g}"))
+        return out
 
     @torch.no_grad()
     def snapshot(self, step: Launched) -> dict[int, torch.Tensor]:
@@ -267,9 +294,11 @@ class Measure:
         if idx:
             moved = [before.pop(i) for i in idx]
             torch._foreach_sub_(moved, self._weights(idx))  # our own copies: in place
+            scaled = any(self.scales.scaled.values())
             grouped = self._groups.norms(moved) if self._groups.useful and not self.sharded and \
-                idx == self._every else None  # in the layout's order
-            parts = [grouped] if grouped is not None else stats.stacked(stats.norms(moved))
+                idx == self._every and not scaled else None  # in the layout's order
+            parts = [grouped] if grouped is not None else stats.stacked(self.scales.norms(moved, idx, "update"))
+            self._moved = (idx, moved) if all(m.device.type == "cpu" for m in moved) else None  # kept: the pool's
         if still:
             parts.append(torch.zeros(len(still), device=self._weights(still[:1])[0].device))
         return idx + still, parts
@@ -282,11 +311,14 @@ class Measure:
         0) have a ratio of 0, and ones that moved an infinite ratio.
         """
         delta = np.full(len(self.found.params), np.nan)
+        if self._moved is not None and self._moved[0] == idx[:len(self._moved[0])]:
+            self.scales.rescue(host[:len(self._moved[0])], self._moved[1], self._moved[0], "update")
+        self._moved = None
         delta[idx] = host
         layer_delta = self._agg.norm(delta, ~np.isnan(delta))
         with np.errstate(invalid="ignore", divide="ignore"):
             for scope, moved in ((PARAM, delta), (LAYER, layer_delta)):
                 weights = vectors[(scope, "param_norm")].astype(np.float64)
                 ratio = np.where((moved == 0) & (weights == 0), 0.0, moved / weights)
-                vectors[_key(scope, "update_ratio")] = ratio.astype(np.float32)
+                vectors[_key(scope, "update_ratio")] = ranges.stored(ratio)[0]
 

@@ -35,7 +35,7 @@ from gradwatch.watching import guard as entry
 from gradwatch.watching import register
 from gradwatch.watching.guard import Hook, RootHook
 from gradwatch.rootcause.state import first_tensor
-from gradwatch.step.activations import Collected, Reduced, Slot
+from gradwatch.step.activations import Collected, Reduced, Slot, outputs
 from gradwatch.step.layout import bounds
 
 # gradwatch's hooks are the guard's (the one door from torch into gradwatch); a model pickled by an
@@ -271,15 +271,15 @@ class Probe:
         """A leaf's forward hook: launch its output's reductions (traced into a compiled graph)."""
         if not self.collect or self.paused or self.evaluating or not torch.is_grad_enabled():
             return
-        out = output if type(output) is torch.Tensor and output.is_floating_point() else first_tensor(output)
-        if out is None:
-            return
-        if self.keep_hooks or torch.compiler.is_dynamo_compiling():
-            # traced into a graph (any compiled model's leaf): reduced there, where holding the output for a
-            # later batched reduction is not traceable, and summed into the leaf's slot on the device
-            self.collected.accumulate(slot, out)
-        elif not transformed():  # a call inside a backward pass is checkpointing's second run: counted once
-            self.collected.add(slot.index, out, slot.limits, recomputed=_recomputing())
+        # every floating or complex tensor of the output (a tuple, dict, named tuple or dataclass of them)
+        outs = (output,) if type(output) is torch.Tensor and output.is_floating_point() else outputs(output)
+        for out in outs:
+            if self.keep_hooks or torch.compiler.is_dynamo_compiling():
+                # traced into a graph (any compiled model's leaf): reduced there, where holding the output for a
+                # later batched reduction is not traceable, and summed into the leaf's slot on the device
+                self.collected.accumulate(slot, out)
+            elif not transformed():  # a call inside a backward pass is checkpointing's second run: counted once
+                self.collected.add(slot.index, out, slot.limits, recomputed=_recomputing())
 
     def take_activations(self) -> list[Reduced]:
         """Hand over the activation statistics collected so far and start anew."""

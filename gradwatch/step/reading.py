@@ -58,11 +58,13 @@ class Reading(Unmeasured):
                 start = launched.size + len(obs_parts) + len(lr_parts)
                 spans.append((start, start + sum(p.numel() for p in upd), "norm"))
             host = self.group.combine(host, spans)
+        self.measure.rescue(launched, host)  # norms beyond their sum of squares' range, and the unmeasurable
         k = launched.size
         gnorm = host[:len(launched.gidx)]
         total = math.sqrt(float(gnorm @ gnorm)) if len(gnorm) else math.nan
-        vectors = self.measure.vectors(launched, host[:k], finite=math.isfinite(total))
         scalars = obs.scalars(observed, host[k:k + len(obs_parts)])
+        vectors = self.measure.vectors(launched, host[:k], finite=math.isfinite(total),
+                                       sound=math.isfinite(scalars.get("loss", 0.0)))
         k += len(obs_parts)
         if lr_parts:
             scalars["lr"], k = float(host[k]), k + 1
@@ -75,6 +77,9 @@ class Reading(Unmeasured):
             self._record_pending(host[k:])
         if sampled and not self.sampled(step + 1):
             self.it.probe.detach_activations()
+        unmeasured = self.measure.findings(step, self.it.probe.collected.failed)  # said once each (info)
+        if unmeasured:
+            self.judge.defer(unmeasured)
         # a finite total means finite norms; an infinite one may come from finite norms (overflow)
         return Measured(launched, vectors, scalars, total, nonfinite=not math.isfinite(total) and not
                         np.isfinite(gnorm).all(), counts={name: len(values) for name, values in observed.items()})

@@ -12,42 +12,69 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradwatch.step.ranges import NARROW, dense as _dense, real, scaled_norms
+
 _INF = float("inf")
 
 
-def _dense(t: Tensor) -> Tensor:
-    return t.coalesce().values() if t.is_sparse else t
-
-
 def _foreach_norm(tensors: list[Tensor], ord: float) -> list[Tensor]:
-    """Norms of tensors of one device and dtype as float32 (float64 ones are taken in float64)."""
-    if tensors[0].dtype not in (torch.float64, torch.complex128):
+    """Norms of tensors of one device and dtype: float32, or float64 for float64 and complex128 tensors
+    (never narrowed: their norms may be beyond float32's range). A complex tensor's is of its magnitudes.
+    """
+    if tensors[0].dtype in NARROW:
         try:
             return list(torch._foreach_norm(tensors, ord, dtype=torch.float32))
         except TypeError:  # torch < 2.4 has no dtype argument
             pass
-    return [n.float() for n in torch._foreach_norm(tensors, ord)]
+    return [real(n) for n in torch._foreach_norm(tensors, ord)]
 
 
-def norms(tensors: Sequence[Tensor], ord: float = 2.0) -> list[Tensor]:
-    """Vector norms of many tensors as 0-d float32 tensors, one fused call per device and dtype."""
+def norm_of(t: Tensor, ord: float = 2.0) -> Tensor:
+    """One tensor's norm by the plainest route (densified, any layout torch can read): what is left to
+    try when a fused call refuses a tensor.
+    """
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return real(torch.linalg.vector_norm(t, ord))
+
+
+def norms(tensors: Sequence[Tensor], ord: float = 2.0, failed: dict[int, str] | None = None) -> list[Tensor]:
+    """Vector norms of many tensors as 0-d tensors (float32, float64 for float64 and complex128 ones),
+    one fused call per device and dtype.
+
+    With ``failed``, a tensor whose norm cannot be computed (a dtype or layout torch does not reduce
+    there) gets a 0 and its position and the reason in ``failed``; without, the error is raised.
+    """
     if not tensors:
         return []
     try:  # the usual case (one device, one floating type, dense): one fused call, no Python per tensor
         return list(torch._foreach_norm(tensors if isinstance(tensors, list) else list(tensors), ord,
                                         dtype=torch.float32))
-    except (RuntimeError, TypeError):  # several devices or dtypes, sparse, or torch < 2.4: grouped below
+    except (RuntimeError, TypeError):  # several devices or dtypes, wide, complex, sparse: grouped below
         pass
     out: list[Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype, t.is_sparse), []).append(i)
     for idx in groups.values():
-        group = [_dense(tensors[i]) for i in idx]
-        result = _foreach_norm(group, ord)
+        try:
+            result = _foreach_norm([_dense(tensors[i]) for i in idx], ord)
+        except Exception:  # one of them cannot be reduced so: each on its own
+            result = [_one(tensors[i], i, ord, failed) for i in idx]
         for i, r in zip(idx, result):
             out[i] = r
     return out  # type: ignore[return-value]
+
+
+def _one(t: Tensor, i: int, ord: float, failed: dict[int, str] | None) -> Tensor:
+    try:
+        return norm_of(t, ord)
+    except Exception as exc:
+        if failed is None:
+            raise
+        failed[i] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        return torch.zeros((), device=t.device)
 
 
 #: on the CPU, a tensor of at most this many elements is reduced together with the others of its
@@ -127,11 +154,11 @@ def max_abs(tensors: Sequence[Tensor]) -> list[Tensor]:
         found = dict(zip(full, max_abs([tensors[i] for i in full])))
         return [found[i] if i in found else t.new_zeros((), dtype=torch.float32) for i, t in enumerate(tensors)]
     device = tensors[0].device
-    if device.type == "cpu" and all(t.device == device and not t.is_sparse for t in tensors):
+    if device.type == "cpu" and all(t.device == device and not t.is_sparse and not t.is_complex() for t in tensors):
         # on CPU one min/max pass per tensor, then one vector op, beats the inf-norm kernel
         ends = [torch.aminmax(t) for t in tensors]
-        lo = torch.stack([e[0] for e in ends]).float().abs()
-        hi = torch.stack([e[1] for e in ends]).float().abs()
+        lo = real(torch.stack([e[0] for e in ends])).abs()
+        hi = real(torch.stack([e[1] for e in ends])).abs()
         return list(torch.maximum(lo, hi).unbind())
     return norms(tensors, _INF)
 
@@ -143,9 +170,9 @@ def stacked(values: list[Tensor]) -> list[Tensor]:
     if not values:
         return []
     try:
-        return [torch.stack(values).float()]
+        return [real(torch.stack(values))]
     except RuntimeError:  # several devices: a model split across devices
-        return [v.reshape(1).float() for v in values]
+        return [real(v.reshape(1)) for v in values]
 
 
 def max_abs_stacked(tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -155,7 +182,8 @@ def max_abs_stacked(tensors: Sequence[Tensor]) -> list[Tensor]:
     On the CPU, one min/max pass per tensor and one stack of the ends (no 0-d tensor per value
     to stack again); elsewhere the fused inf-norm.
     """
-    if tensors and all(t.device.type == "cpu" and not t.is_sparse and t.numel() for t in tensors):
+    if tensors and all(t.device.type == "cpu" and not t.is_sparse and t.numel() and t.dtype in NARROW
+                       for t in tensors):
         try:
             ends = torch.stack([e for t in tensors for e in torch.aminmax(t)])
         except RuntimeError:  # several dtypes
@@ -199,16 +227,28 @@ def counted(t: Tensor) -> Tensor:
     return t.reshape(-1)[: stride * _RUNS].view(_RUNS, stride)[:, : COUNTED // _RUNS]
 
 
-def activation_stats(out: Tensor, bounds: tuple[float, float] | None) -> tuple[list[Tensor], int]:
+def vector_norm(t: Tensor, dim: int | None = None) -> Tensor:
+    """``torch.linalg.vector_norm`` in float32, or float64 for a float64 or complex128 tensor (a complex
+    tensor's is of its magnitudes)."""
+    if t.dtype in NARROW:
+        return torch.linalg.vector_norm(t, dim=dim, dtype=torch.float32)
+    return real(torch.linalg.vector_norm(t, dim=dim))
+
+
+def activation_stats(out: Tensor, bounds: tuple[float, float] | None,
+                     scaled: bool = False) -> tuple[list[Tensor], int]:
     """Device reductions of one activation: [L2 norm, number of non-zeros(, number saturated)], and
     the number of elements the counts are of (see :data:`COUNTED`).
 
     An output counts as saturated when it lies within 1% of the output range from either
-    bound, e.g. sigmoid below 0.01 or above 0.99, tanh beyond +-0.98.
+    bound, e.g. sigmoid below 0.01 or above 0.99, tanh beyond +-0.98 (never a complex one). With
+    ``scaled``, the norm is :func:`scaled_norms`'s (an output whose float32 sum of squares did not fit).
     """
     out = out.detach()
+    if out.is_complex():
+        bounds = None
     part = counted(out)
-    stats = [torch.linalg.vector_norm(out, dtype=torch.float32), nonzeros(part)]
+    stats = [scaled_norms([out])[0] if scaled else vector_norm(out), nonzeros(part)]
     if bounds is not None:
         stats.append(saturated(part, bounds))
     return stats, part.numel()
@@ -232,7 +272,10 @@ def saturated_rows(rows: Tensor, bounds: tuple[float, float]) -> Tensor:
 
 
 def to_host(values: Sequence[Tensor]) -> np.ndarray:
-    """Copy tensors (0-d or 1-D, in order) to the host as one float64 array: one synchronisation per device."""
+    """Copy tensors (0-d or 1-D, in order) to the host as one float64 array: one synchronisation per device.
+
+    Values are read as float32, except where a tensor is float64 (a float64 model's statistics).
+    """
     if not values:
         return np.zeros(0)
     flat = [v.reshape(-1) for v in values]
@@ -240,7 +283,7 @@ def to_host(values: Sequence[Tensor]) -> np.ndarray:
         joined = torch.cat(flat)
     except RuntimeError:  # tensors on several devices: one concatenation and copy per device
         return _to_host_by_device(flat)
-    if joined.dtype != torch.float32:
+    if joined.dtype not in (torch.float32, torch.float64):  # a float64 statistic is read as it is
         joined = joined.to(torch.float32)
     return joined.cpu().numpy().astype(np.float64)
 
@@ -253,7 +296,8 @@ def _to_host_by_device(flat: list[Tensor]) -> np.ndarray:
     starts = np.concatenate(([0], np.cumsum(sizes)))
     result = np.empty(int(starts[-1]), dtype=np.float64)
     for idx in by_device.values():
-        values = torch.cat([flat[i].to(torch.float32) for i in idx]).cpu().numpy()
+        values = torch.cat([flat[i] if flat[i].dtype == torch.float64 else flat[i].to(torch.float32)
+                            for i in idx]).cpu().numpy()
         at = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in idx])
         result[at] = values
     return result

@@ -24,6 +24,7 @@ KINDS = (
     "zero_gradient",
     "unoptimized_parameter",
     "stale_gradient",
+    "unmeasured",
 )
 
 
