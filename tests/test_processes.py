@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 BEFORE = AFTER = 10  # the parent's steps before and after the children
+SPARE = []  # an instance of a watched class that the parent never runs
 
 
 def hooks(model):
@@ -77,9 +78,18 @@ class Pairs(torch.utils.data.Dataset):
         return torch.randn(4, generator=g), torch.randn(1, generator=g)
 
 
-def forked(model, mode, run):
+def forked(model, mode, run, closed_read):
     """The child of os.fork: ends as ``mode`` says."""
+    if mode == "class":  # instances of the watched class made before the fork and in the child: not watched here
+        fresh = type(model)(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        for other in (SPARE[0], fresh):
+            train(other, 5, 7)
+        tell(hooks=hooks(model) + hooks(SPARE[0]) + hooks(fresh))
+        sys.exit(0)
     tell(hooks=hooks(model))
+    if mode == "outlives":  # ends after the parent closed its run
+        os.read(closed_read, 1)
+        sys.exit(0)
     if mode == "rewatch":  # watched again, into a run of its own
         import gradwatch as gw
         gw.watch(model, run=run + "-child", console=False)
@@ -99,17 +109,31 @@ def main(mode, run):
     import gradwatch as gw  # here: a spawned child imports this script, never gradwatch (the pickle holds none)
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    gw.watch(model, run=run, console=False)
+    if mode == "fork_class":  # every instance watched (at its first forward)
+        @gw.watch(run=run, console=False)
+        class Net(nn.Sequential):
+            pass
+        model = Net(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        SPARE.append(Net(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))  # not run before the fork: not watched yet
+    else:
+        model = gw.watch(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), run=run, console=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     train(model, BEFORE, 0, opt)
     steps, codes = BEFORE + AFTER, []
     if mode.startswith("fork_"):
+        closed_read, closed_write = os.pipe()  # the parent tells its run's close to a child that outlives it
         pid = os.fork()
         if pid == 0:
-            forked(model, mode[5:], run)
+            forked(model, mode[5:], run, closed_read)
             return
+        if mode == "fork_outlives":
+            train(model, AFTER, 3, opt)
+            gw.unwatch(model)
+            os.write(closed_write, b"x")
         codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        if mode == "fork_outlives":
+            print("PARENT " + json.dumps({"codes": codes, "steps": steps}), flush=True)
+            return
     elif mode.startswith("hogwild_"):
         import torch.multiprocessing as mp
         model.share_memory()
@@ -185,26 +209,28 @@ def assert_parent_run(run: Path, steps: int, err: str) -> None:
     with gw.open_run(run) as read:
         assert read.status == "finished"
         assert read.steps == steps
+        read.check_vectors()  # a child never wrote into the parent's store, nor closed it
     checked = gradwatch("check", str(run), "--format", "json")
     assert checked.returncode == 0, checked.stdout
     report = json.loads(checked.stdout)
     assert (report["status"], report["steps"], report["findings"]) == ("finished", steps, [])
 
 
-#: os.fork after watch: how the child ends, and its exit code
-FORK_ENDS = {"exit": 0, "os_exit": 3, "return": 0, "raise": 1, "train": 0}
+#: os.fork after watch: what the child does (how it ends; trains 2,000 steps; ends after the parent closed its run;
+#: makes and trains a new instance of the watched class), and its exit code
+FORKED = {"exit": 0, "os_exit": 3, "return": 0, "raise": 1, "train": 0, "outlives": 0, "class": 0}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("end", list(FORK_ENDS))
-def test_a_forked_child_goes_quiet_and_exits(tmp_path: Path, end: str) -> None:
-    parent, children, err, run = run_script(tmp_path, f"fork_{end}", timeout=120)
-    assert parent["codes"] == [FORK_ENDS[end]]
+@pytest.mark.parametrize("child", list(FORKED))
+def test_a_forked_child_goes_quiet_and_exits(tmp_path: Path, child: str) -> None:
+    parent, children, err, run = run_script(tmp_path, f"fork_{child}", timeout=120)
+    assert parent["codes"] == [FORKED[child]]
     assert children == [{"hooks": 0}]  # the inherited watcher's hooks are gone: the child pays nothing
-    if end == "raise":
+    if child == "raise":
         assert "RuntimeError: the child failed" in err
     assert_parent_run(run, parent["steps"], err)
-    assert not (tmp_path / "run-child").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "train.py"]  # the child wrote no run
 
 
 @pytest.mark.slow
