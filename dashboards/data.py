@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from gradwatch import encoding
 from gradwatch.errors import DamagedStoreError
 from gradwatch.report import items as explained
 from gradwatch.report import marks
@@ -87,7 +88,7 @@ class Root:
         """
         if not run_id or "\x00" in run_id or "\\" in run_id:
             raise NotFound(run_id)
-        rel = PurePosixPath(run_id)
+        rel = PurePosixPath(encoding.native(run_id))  # its name as the filesystem has it (see run_id)
         if rel.is_absolute() or ".." in rel.parts:
             raise NotFound(run_id)
         path = (self.root / rel).resolve()
@@ -110,8 +111,9 @@ class Root:
         return db
 
     def run_id(self, path: Path) -> str:
-        """The name a run directory is addressed by."""
-        return path.relative_to(self.root).as_posix()
+        """The name a run directory is addressed by: text whatever the filesystem encoding (a non-ASCII
+        name under a C locale with UTF-8 mode off is its UTF-8 characters, not lone surrogates)."""
+        return encoding.readable(path.relative_to(self.root).as_posix())
 
     def open(self, run_id: str) -> Run:
         """Open a run by name, read-only (the store file it opens is the one :meth:`store` resolved)."""
@@ -138,7 +140,7 @@ class Root:
                     row = describe_run(path, self.root)
                     row.pop("path", None)
                     row["id"] = self.run_id(path)
-                    row["run"] = row["id"] if row["id"] != "." else path.name
+                    row["run"] = row["id"] if row["id"] != "." else encoding.readable(path.name)
                     self._rows[path] = cached = (stamp, row)
                 rows.append(cached[1])
             for gone in set(self._rows) - seen:
@@ -264,7 +266,7 @@ def summary(run: Run, run_id: str) -> dict[str, Any]:
     info = run.layer_info()
     return {
         "id": run_id,
-        "name": run.path.name if run_id == "." else run_id,
+        "name": encoding.readable(run.path.name) if run_id == "." else run_id,
         "model": meta.get("model"),
         "status": status,
         "status_detail": verdict.describe(ended := run.ended),

@@ -132,7 +132,8 @@ class StrictJSONResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         """The body: compact strict JSON in UTF-8."""
-        return encoding.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        # any string from the filesystem left (a store's path) written as its characters
+        return encoding.readable(encoding.dumps(content, ensure_ascii=False, separators=(",", ":"))).encode("utf-8")
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -300,7 +301,7 @@ class Dashboard:
                 else:
                     batch = [("runs", "", await run_in_threadpool(self.root.runs))]
                 for event, key, payload in batch:
-                    text = encoding.dumps(payload, separators=(",", ":"))
+                    text = encoding.readable(encoding.dumps(payload, separators=(",", ":")))
                     if sent.get(key) != text:
                         sent[key] = text
                         quiet = time.monotonic()

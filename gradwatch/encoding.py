@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, overload
 
@@ -39,6 +40,28 @@ import numpy as np
 SUFFIX = "_nonfinite"
 #: the string forms of the non-finite numbers
 FORMS = ("nan", "inf", "-inf")
+
+
+def readable(value: str) -> str:
+    """A string from the operating system (a path, a command line) as text that any output can write.
+
+    With Python's UTF-8 mode off and the filesystem encoding ASCII (``LC_ALL=C``, ``PYTHONUTF8=0``), a
+    path's non-ASCII bytes reach Python as lone surrogates (``surrogateescape``), which UTF-8 cannot
+    encode: they are put back as the characters their bytes spell in UTF-8 (U+FFFD where they spell
+    none). A string without them is returned as it is.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return value
+
+
+def native(value: str) -> str:
+    """The inverse of :func:`readable` for a name read back from a person or a client (a run's id in the
+    dashboard's URL): the string the operating system's calls take for it, whatever the filesystem encoding.
+    """
+    return os.fsdecode(value.encode("utf-8", "surrogateescape"))
 
 
 def nonfinite_text(value: Any) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -18,7 +19,8 @@ def report(run: str, output: Path | None) -> None:
     from gradwatch.report import write
 
     path = write(run, output)
-    click.echo(str(path))
+    # its bytes as the filesystem has them: a non-ASCII path prints whatever the locale's encoding (not '?')
+    click.echo(os.fsencode(path) + b"\n", nl=False)
 
 
 __all__ = ["report"]

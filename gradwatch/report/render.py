@@ -11,6 +11,7 @@ from typing import Any
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
+from gradwatch.encoding import readable
 from gradwatch.files import write_text_atomic
 from gradwatch.report import figures
 from gradwatch.report.data import Report, collect
@@ -89,9 +90,9 @@ def _version() -> str:
 def render(run: Run | str | os.PathLike[str], name: str | None = None) -> str:
     """Read a run (or the run at a path) and return its report as an HTML string."""
     if isinstance(run, Run):
-        return html(collect(run, name))
+        return readable(html(collect(run, name)))
     with open_run(run) as opened:
-        return html(collect(opened, name if name is not None else str(run)))
+        return readable(html(collect(opened, name if name is not None else str(run))))
 
 
 def write(run: str | os.PathLike[str], output: str | os.PathLike[str] | None = None) -> Path:
@@ -104,6 +105,6 @@ def write(run: str | os.PathLike[str], output: str | os.PathLike[str] | None = N
     with open_run(run) as opened:
         target = Path(output) if output is not None else opened.path / DEFAULT_NAME
         owned.refuse(target, "the report", [run])  # never over a run's own files
-        text = html(collect(opened, str(run)))
+        text = readable(html(collect(opened, str(run))))  # a non-ASCII path under any locale: its characters
     write_text_atomic(target, text, "the report")
     return target
