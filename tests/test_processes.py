@@ -44,8 +44,8 @@ def hooks(model):
                        if name.startswith("_global_") and name.endswith("hooks"))
 
 
-def train(model, steps, seed, opt=None):
-    """Plain SGD on random batches of a fixed seed."""
+def train(model, steps, seed, opt=None, observe=None):
+    """Plain SGD on random batches of a fixed seed; ``observe(loss=...)`` at each step when given."""
     g = torch.Generator().manual_seed(seed)
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(steps):
@@ -53,11 +53,14 @@ def train(model, steps, seed, opt=None):
         loss = (model(x) - x[:, :1]).pow(2).mean()
         opt.zero_grad()
         loss.backward()
+        if observe is not None:
+            observe(loss=loss)
         opt.step()
 
 
 def tell(**what):
-    print("CHILD " + json.dumps(what), flush=True)
+    sys.stdout.flush()
+    os.write(1, ("CHILD " + json.dumps(what) + "\n").encode())  # one write: workers print side by side
 
 
 def worker(model, rank, steps):
@@ -87,15 +90,17 @@ def forked(model, mode, run, closed_read):
         tell(hooks=hooks(model) + hooks(SPARE[0]) + hooks(fresh))
         sys.exit(0)
     tell(hooks=hooks(model))
-    if mode == "outlives":  # ends after the parent closed its run
-        os.read(closed_read, 1)
-        sys.exit(0)
+    import gradwatch as gw
     if mode == "rewatch":  # watched again, into a run of its own
-        import gradwatch as gw
         gw.watch(model, run=run + "-child", console=False)
-        train(model, 30, 7)
+        train(model, 30, 7, observe=gw.watcher(model).observe)
         sys.exit(0)
-    train(model, 2000 if mode == "train" else 5, 7)
+    if mode == "outlives":  # trains and ends after the parent closed its run
+        os.read(closed_read, 1)
+    # the loop it shares with the parent: gw.watcher(model) answers, and its calls do nothing
+    train(model, 2000 if mode == "train" else 5, 7, observe=gw.watcher(model).observe)
+    if mode == "outlives":
+        sys.exit(0)
     if mode in ("exit", "train"):
         sys.exit(0)
     if mode == "os_exit":
@@ -154,7 +159,7 @@ def main(mode, run):
                 opt.step()
                 steps += 1
     elif mode == "thread":  # a second thread runs steps of the watched model while the first waits
-        helper = threading.Thread(target=train, args=(model, 30, 1, opt))
+        helper = threading.Thread(target=train, args=(model, 30, 1, opt, gw.watcher(model).observe))
         helper.start()
         helper.join()
         steps += 30
@@ -164,7 +169,7 @@ def main(mode, run):
                 return float(model(torch.full((8, 4), float(i % 7))).sum())
         with ThreadPoolExecutor(4) as pool:
             answers = [pool.submit(infer, i) for i in range(200)]
-            train(model, 40, 2, opt)
+            train(model, 40, 2, opt, gw.watcher(model).observe)
             [a.result() for a in answers]
         steps += 40
     train(model, AFTER, 3, opt)
@@ -203,13 +208,17 @@ def run_script(tmp_path: Path, mode: str, timeout: float) -> tuple[dict[str, Any
     return parent[0], children, err, run
 
 
-def assert_parent_run(run: Path, steps: int, err: str) -> None:
-    """The parent's run finished with exactly its own steps, passes ``check``, and nothing said InternalWarning."""
+def assert_parent_run(run: Path, steps: int, err: str, losses: int = 0) -> None:
+    """The parent's run finished with exactly its own steps (``losses`` of them observed a loss), passes
+    ``check``, and nothing said InternalWarning.
+    """
     assert "InternalWarning" not in err, err[-3000:]
     with gw.open_run(run) as read:
         assert read.status == "finished"
         assert read.steps == steps
         read.check_vectors()  # a child never wrote into the parent's store, nor closed it
+        scalars = read.scalars()
+        assert int(scalars["loss"].notna().sum() if "loss" in scalars else 0) == losses  # a child's loss never
     checked = gradwatch("check", str(run), "--format", "json")
     assert checked.returncode == 0, checked.stdout
     report = json.loads(checked.stdout)
@@ -265,5 +274,6 @@ def test_dataloader_workers(tmp_path: Path, context: str) -> None:
 @pytest.mark.parametrize("how", ["thread", "pool"])
 def test_threads_step_or_infer_with_the_watched_model(tmp_path: Path, how: str) -> None:
     parent, _, err, run = run_script(tmp_path, how, timeout=120)
-    assert parent["steps"] == 20 + (30 if how == "thread" else 40)
-    assert_parent_run(run, parent["steps"], err)
+    trained = 30 if how == "thread" else 40
+    assert parent["steps"] == 20 + trained
+    assert_parent_run(run, parent["steps"], err, losses=trained)
