@@ -193,8 +193,8 @@ class Writer:
         the forking thread), so nothing is handed over nor waited for any more (:meth:`flush` and :meth:`close`
         return at once), and the sinks are left as they are, for good.
 
-        The sinks are the parent's: its store's SQLite connection (which a child must not use, closing it
-        included: its close may checkpoint stale pages into the parent's file) and its run lock (an ``flock``,
+        The sinks are the parent's: its store's SQLite connection (which SQLite says a forked child must not
+        use, closing it included: a close may write to the database file) and its run lock (an ``flock``,
         shared with the parent: unlocked here, it would be unlocked there). Neither is closed, nor freed when
         the child's interpreter ends (one reference more that nothing gives back); the child's copies of their
         file descriptors close as the child exits, which leaves the parent's as they are.
