@@ -26,10 +26,10 @@ from gradwatch.errors import (
 from gradwatch.version import __version__
 
 if _TYPE_CHECKING:
-    from gradwatch.watching.registry import unwatch, watch, watcher
     from gradwatch.rules import Rule
     from gradwatch.store.findings import Finding
     from gradwatch.store.reader import Run, open_run
+    from gradwatch.watching.registry import unwatch, watch, watcher
     from gradwatch.watching.watcher import Watcher
 
 #: public names imported on first use, so that ``import gradwatch`` (the pytest plugin, the CLI)

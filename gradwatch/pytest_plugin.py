@@ -161,8 +161,8 @@ def gradwatch_fixture(request: pytest.FixtureRequest) -> Iterator[GradwatchFixtu
     ``gradwatch`` marker's keyword arguments over ``--gradwatch-fail-on`` over the ini file; runs
     use ``rules="default"`` and ``console=False`` unless the marker says otherwise.
     """
-    from gradwatch.watching import registry
     from gradwatch.errors import ConfigError
+    from gradwatch.watching import registry
 
     settings = request.config.stash[_SETTINGS]
     options = marker_options(request.node) if isinstance(request.node, pytest.Item) else {}

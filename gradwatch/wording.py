@@ -29,3 +29,16 @@ def layer(name: str | None, type_: str | None = None) -> str:
         text = name
     return f"{text} ({type_})" if type_ else text
 
+
+#: layers a grouped finding's message names one by one at most (beyond: the first three ... the last two)
+SHOWN = 6
+
+
+def listed(names: list[str]) -> str:
+    """``'0', '2', '4'``, or for more than :data:`SHOWN` layers ``'0', '2', '4' … '16', '18'``: the layers one
+    finding covers (one cause at one step), in model order.
+    """
+    quoted = [repr(n) for n in names]
+    if len(quoted) <= SHOWN:
+        return ", ".join(quoted)
+    return ", ".join(quoted[:3]) + " … " + ", ".join(quoted[-2:])

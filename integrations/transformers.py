@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from gradwatch.watching import register
 from gradwatch.integrations._attach import Attachment, loss_scale
 from gradwatch.rootcause.state import first_tensor
 from gradwatch.store.records import PRECLIP
+from gradwatch.watching import register
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments

@@ -6,8 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.matrix import Cell, check, compare, findings, internal_warnings, status, train
-from tests.matrix import autograd, dtypes, edges, layouts, styles
+from tests.matrix import (
+    Cell,
+    autograd,
+    check,
+    compare,
+    dtypes,
+    edges,
+    findings,
+    internal_warnings,
+    layouts,
+    status,
+    styles,
+    train,
+)
 
 CELLS: list[Cell] = [*dtypes.CELLS, *layouts.CELLS, *autograd.CELLS, *styles.CELLS, *edges.CELLS]
 

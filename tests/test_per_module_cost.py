@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch.watching import guard
 from gradwatch.step import aggregate
+from gradwatch.watching import guard
 
 pytestmark = pytest.mark.slow  # three models trained 49 steps each, up to 1,003 modules: seconds
 

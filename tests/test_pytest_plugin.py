@@ -25,8 +25,8 @@ from torch.nn.modules import module as torch_module
 
 import gradwatch as gw
 from gradwatch import pytest_plugin as plugin
-from gradwatch.watching import registry
 from gradwatch.judging import gate
+from gradwatch.watching import registry
 
 pytest_plugins = ["pytester"]
 

@@ -93,7 +93,8 @@ def test_an_adjacency_holding_inf_is_named_as_the_cause(tmp_path: Path, layout: 
     assert "cause: data" in message and "'adj'" in message and "30, 31, 32, 33, 34 and 1 more" in message
     if not kept:  # the input itself: nothing of the model is to blame
         assert first["layer"] is None and data.get("source") == "input"
-        assert message.startswith("The model's input batch holds NaN/Inf at step 0; cause: data (the input 'adj' (sparse")
+        assert message.startswith(
+            "The model's input batch holds NaN/Inf at step 0; cause: data (the input 'adj' (sparse")
         assert data["samples"]["indices"] == ISOLATED  # a node's row of the graph is its sample
 
 

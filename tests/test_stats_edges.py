@@ -112,7 +112,8 @@ def test_a_float64_head_on_a_float32_body_is_watched(tmp_path: Path) -> None:
     model.forward = lambda x: head(body(x).double())  # type: ignore[method-assign]
     _, run = _train(model, tmp_path / "run")
     _quiet(run)
-    assert run.steps == 25 and (_metric(run, "grad_norm", "1") > 0).all() and (_metric(run, "grad_norm", "0.0") > 0).all()
+    assert run.steps == 25
+    assert (_metric(run, "grad_norm", "1") > 0).all() and (_metric(run, "grad_norm", "0.0") > 0).all()
 
 
 def test_complex_parameters_and_activations_are_measured_as_magnitudes(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import EXPLOSION, LEVEL_LOSSES, LR_HIGH, LR_LOW, QUIET_STEPS, RAISED
-from gradwatch.detectors.vanishing import GATE
+from gradwatch.detectors.gates import GATE
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import CLOSURE_EVALUATIONS, PARAM, StepRecord
 

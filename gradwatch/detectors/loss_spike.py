@@ -31,6 +31,10 @@ CONFIRM = 2
 RUNAWAY, RUNAWAY_STEPS = 2.0, 10
 
 
+#: a signed loss whose recent values were all alike (no spread) spikes only by this share of its largest |loss|
+FLAT = 0.5
+
+
 @dataclass
 class LossSpike(Detector):
     """The loss (observed with ``watcher.observe(loss=...)``) against its own history.
@@ -201,9 +205,11 @@ class LossSpike(Detector):
         if self._signed:
             # and by ``share`` of the largest loss seen: a loss that was exactly 0 for a while has no spread and
             # no level to spike from (a hinge loss at 0 that a sample lifts to 6e-5), and one never away from 0 none
+            # recent losses all alike (a hinge loss at exactly 0 while every margin is met, lifted now and then
+            # by a batch with a violation): only a jump to half the largest loss seen or more is a spike
             median = center
             spike = loss - center > max(self.z * spread, self.ratio * abs(center)) and \
-                loss - center >= self.share * self._peak > 0
+                loss - center >= (self.share if spread > 0 else FLAT) * self._peak > 0
         else:
             median = math.exp(center)
             spike = math.log(loss) - center > max(self.z * spread, math.log1p(self.ratio))

@@ -13,13 +13,12 @@ from gradwatch.detectors.causes import LR_HIGH, LR_LOW
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import StepRecord
 from gradwatch.wording import layer as _layer
+from gradwatch.wording import listed
 
 HINT_HIGH = "the step rewrites the weights wholesale: lower the learning rate (a healthy ratio is around 1e-3)"
 HINT_LOW = "the weights barely move: raise the learning rate, or check that the optimizer holds this layer"
 #: layers (and their ratios) a grouped finding's data names at most
 NAMED = 20
-#: layers a grouped finding's message names one by one at most (beyond: the first three ... the last two)
-SHOWN = 6
 
 
 @dataclass
@@ -103,10 +102,3 @@ class UpdateRatio(Detector):
             data.update(layers=names[:NAMED], ratios=ratios[:NAMED], count=len(names))
         return self.finding(record, "warning", names[0], message, value=value, data=data)
 
-
-def listed(names: list[str]) -> str:
-    """``'0', '2', '4'``, or for more than :data:`SHOWN` layers ``'0', '2', '4' … '16', '18'``."""
-    quoted = [repr(n) for n in names]
-    if len(quoted) <= SHOWN:
-        return ", ".join(quoted)
-    return ", ".join(quoted[:3]) + " … " + ", ".join(quoted[-2:])

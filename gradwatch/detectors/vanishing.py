@@ -10,10 +10,11 @@ from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.base import median as _median
 from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.detectors.collapse import Collapse
+from gradwatch.detectors.gates import GATE, _scoped, gates, outer, trained
 from gradwatch.store.findings import Finding
-from gradwatch.store.records import PARAM, ROOT, Layout, StepRecord
+from gradwatch.store.records import PARAM, Layout, StepRecord
 from gradwatch.wording import layer as _layer
-from gradwatch.wording import plural
+from gradwatch.wording import listed, plural
 
 HINT = (
     "use a non-saturating activation (ReLU/GELU) instead of sigmoid/tanh in deep stacks, a scaled "
@@ -25,10 +26,10 @@ HINT_ZERO = (
 )
 #: a leaf with at least this fraction of exactly-zero outputs is dead (as ``dead_units`` judges it)
 DEAD = 0.99
-#: a parameter whose values' RMS is at most this when watching begins scales the gradients of the layers
-#: beside it down by design (a layer scale initialised at 1e-6 or 1e-5, ReZero's and SkipInit's 0, a
-#: residual branch's last BatchNorm weight initialised at 0); so long as it stays this small
-GATE = 1e-3
+#: a layer whose latest measured update moved its weights by at least this fraction of their norm learns: a
+#: gradient below the absolute floor is then small by the loss's scale (a loss multiplied by 1e-30 and a
+#: learning rate by 1e30, weights stored in units of 1e-19), not a vanishing one
+LEARNS = 1e-6
 #: a small layer under a gate is explained by it while its RMS, relative to the median layer's, is at
 #: least this times the gate's RMS (its gradient is the gate times an ordinary one)
 EXPLAINED = 1e-2
@@ -56,8 +57,13 @@ class Vanishing(Detector):
     RMS is at least ``EXPLAINED`` times the gate's is not counted; should one stay small for ``patience``
     steps, one finding of severity info per gate says so. Grown past ``GATE``, the gate explains nothing.
 
+    The absolute floor is a floor on learning, not on a number: a layer below it whose latest measured update
+    ratio is at least ``LEARNS`` (1e-6) still learns — its gradient is small by the loss's scale, which the
+    learning rate makes up for — and is not counted; the relative bound is judged as ever.
+
     Attributes:
-        absolute: RMS below this is negligible whatever the other layers do.
+        absolute: RMS below this is negligible whatever the other layers do (unless the layer's updates
+            show that it learns).
         relative: RMS below this fraction of the median layer's RMS is negligible.
         patience: consecutive steps (with a gradient) before it is reported.
         collapse: the whole model's gradients collapsed when the median layer's RMS is below this
@@ -79,6 +85,9 @@ class Vanishing(Detector):
     _sized: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), init=False, repr=False)
     _dead: bool = field(default=False, init=False, repr=False)  # a leaf was dead on the latest sampled step
     _counting: bool = field(default=False, init=False, repr=False)  # some layer's count is above 0
+    #: per layer: its latest measured update ratio was at least LEARNS
+    _learning: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), init=False, repr=False)
+    _previous: StepRecord | None = field(default=None, init=False, repr=False)  # the step judged last
     #: per gate parameter (index), the layers it scales and its RMS on the latest sampled step (see GATE)
     _gates: dict[int, tuple[np.ndarray, float]] | None = field(default=None, init=False, repr=False)
     #: the gates of the whole model (a zero-initialised output layer, see ``outer``): per gate parameter,
@@ -92,6 +101,9 @@ class Vanishing(Detector):
         """Count consecutive negligible steps per layer; report a layer when it reaches patience (and a
         model whose gradients collapsed while its loss stalled: :class:`~gradwatch.detectors.collapse.Collapse`).
         """
+        previous, self._previous = self._previous, record
+        if previous is not None:
+            self._learned(previous)
         norm = record.vector("grad_norm")
         if record.skipped or norm is None:
             return []
@@ -101,6 +113,7 @@ class Vanishing(Detector):
             if not layout.same_layers(self._layout):
                 self._runs = np.zeros(len(layout.layers), dtype=np.int64)
                 self._explained = np.zeros(len(layout.layers), dtype=np.int64)
+                self._learning = np.zeros(len(layout.layers), dtype=bool)
             self._version, self._layout, self._gates = layout.version, layout, None
             self._scale, self._sized = 1.0 / np.sqrt(np.maximum(numel, 1.0)), (numel > 0) & trained(layout)
             restart = ~self._sized  # frozen, or (renewed) other parameters than the counts were of: anew
@@ -138,7 +151,7 @@ class Vanishing(Detector):
             self._runs[:] = 0  # every gradient exactly zero: the zero_gradient detector's
             return collapsed
         median = _median(positive)
-        small = has & (rms < max(self.absolute, self.relative * median))
+        small = has & ((rms < self.relative * median) | ((rms < self.absolute) & (~self._learning | (rms == 0))))
         if self.causes.named(LR_HIGH, record.step):
             small[:] = False  # a too-high learning rate saturates and kills units: its consequences
         elif self._dead:
@@ -167,15 +180,41 @@ class Vanishing(Detector):
                                           # from the cut backwards: the nearest 19 and the first (the input end)
                                           "layers": names[::-1] if len(names) <= 20 else [*names[:-20:-1], names[0]],
                                           "hint": HINT_ZERO}))
-        for i in due[rms[due] > 0]:
-            name, ratio = layout.layers[i], rms[i] / median
-            below = (f"{ratio:.2g}x the median layer's {median:.3g}" if ratio < self.relative else
-                     f"below the floor of {self.absolute:g} (the median layer's is {median:.3g})")
-            message = (f"gradient of {_layer(name, layout.layer_types[i])} has vanished for "
-                       f"{plural(self.patience, 'step')}: RMS {rms[i]:.3g}, {below}.")
-            out.append(self.finding(record, "warning", name, message, value=float(ratio),
-                                    data={"rms": float(rms[i]), "median_rms": median, "hint": HINT}))
+        small_due = due[rms[due] > 0]
+        if len(small_due):  # one cause at one step (a deep stack, one initialisation): one finding for them all
+            out.append(self._vanished(record, small_due, rms, median))
         return out
+
+    def _vanished(self, record: StepRecord, due: np.ndarray, rms: np.ndarray, median: float) -> Finding:
+        """One finding for the layers whose small gradient reached ``patience`` at this step: its layer the
+        first in model order, its value the smallest ratio to the median; ``data["layers"]`` and
+        ``data["rms"]`` name them all (up to 20) when there are several.
+        """
+        layout = record.layout
+        names, ratios = [layout.layers[i] for i in due], rms[due] / median
+        least = int(np.argmin(ratios))
+        ratio = float(ratios[least])
+        below = (f"{ratio:.2g}x the median layer's {median:.3g}" if ratio < self.relative else
+                 f"below the floor of {self.absolute:g} (the median layer's is {median:.3g})")
+        data: dict[str, object] = {"rms": float(rms[due[least]]), "median_rms": median, "hint": HINT}
+        if len(names) == 1:
+            message = (f"gradient of {_layer(names[0], layout.layer_types[due[0]])} has vanished for "
+                       f"{plural(self.patience, 'step')}: RMS {rms[due[0]]:.3g}, {below}.")
+        else:
+            types = ", ".join(sorted({layout.layer_types[i] for i in due}))
+            message = (f"gradients of {len(names)} layers ({listed(names)}; {types}) have vanished for "
+                       f"{plural(self.patience, 'step')}: RMS {rms[due].min():.3g} to {rms[due].max():.3g}, the "
+                       f"smallest {below}.")
+            data.update(layers=names[:20], rms_layers=[float(r) for r in rms[due][:20]], count=len(names))
+        return self.finding(record, "warning", names[0], message, value=ratio, data=data)
+
+    def _learned(self, record: StepRecord) -> None:
+        """Note which layers the previous step's update moved (its update ratio is known one step late: live,
+        by the time this step is judged; offline, stored with it), so that live and re-judged runs agree.
+        """
+        updates = record.vector("update_ratio")
+        if updates is not None and record.layout.same_layers(self._layout) and len(updates) == len(self._learning):
+            self._learning = np.where(np.isfinite(updates), updates >= LEARNS, self._learning)
 
     def _reset(self, has: np.ndarray) -> None:
         """Nothing is small: every count is reset where there is a gradient."""
@@ -248,78 +287,3 @@ class Vanishing(Detector):
                                     data={"gate": layout.params[p], "gate_rms": size,
                                           "layers": [layout.layers[i] for i in named][:20]}))
         return out
-
-
-def trained(layout: Layout) -> np.ndarray:
-    """Per layer, whether it owns a parameter that requires grad (a frozen layer's gradient, whatever its
-    ``.grad`` holds, is no vanishing one); every layer where the layout does not say.
-    """
-    out = np.zeros(len(layout.layers), dtype=bool)
-    if len(layout.trainable) != len(layout.params):
-        out[:] = True
-    for layer, p in layout.owners if not out.all() else ():
-        out[layer] |= layout.trainable[p]
-    return out
-
-
-def _scope(layout: Layout, param: int, gated: frozenset[int] = frozenset()) -> str | None:
-    """The module whose layers a gate parameter scales: its owner, or a leaf owner's parent, widened past
-    modules that hold no layer with weights but gates (the ``nn.Sequential`` of DiT's adaLN modulation, the
-    ``ModuleDict`` of PEFT's ``lora_B``, a ``ModuleList`` of ControlNet's zero convolutions); None at the root.
-    ``gated``: the layers that own a gate.
-    """
-    owner = next((layer for layer, p in layout.owners if p == param), None)
-    if owner is None:
-        return None
-    name = layout.layers[owner]
-    if owner in layout.leaves:
-        name = name.rpartition(".")[0] if "." in name else ROOT
-    weighted = {layer for layer, _ in layout.owners} - gated
-    while name != ROOT and not any(layout.layers[i].startswith(name + ".") for i in weighted):
-        name = name.rpartition(".")[0] if "." in name else ROOT
-    return None if name == ROOT else name
-
-
-def _candidates(layout: Layout, sizes: np.ndarray) -> set[int]:
-    """Trainable parameters, not biases, owned below the root, whose values' RMS is at most ``GATE``."""
-    root = {p for layer, p in layout.owners if layout.layers[layer] == ROOT}
-    return {p for p, name in enumerate(layout.params) if layout.trainable[p] and p not in root
-            and not name.rpartition(".")[2].startswith("bias") and sizes[p] <= GATE}
-
-
-def _scoped(layout: Layout, sizes: np.ndarray) -> dict[int, str | None]:
-    """Each gate parameter (see ``_candidates``) and its scope (see ``_scope``), in parameter order."""
-    found = _candidates(layout, sizes)
-    gated = frozenset(layer for layer, q in layout.owners if q in found)
-    return {p: _scope(layout, p, gated) for p in sorted(found)}
-
-
-def gates(layout: Layout, sizes: np.ndarray, scoped: dict[int, str | None] | None = None) -> dict[int, np.ndarray]:
-    """The parameters that scale the gradients of the layers beside them down (see ``GATE``): trainable,
-    not a bias, owned below the root, values' RMS at most ``GATE``; each with the indices of those layers.
-    ``scoped``: :func:`_scoped`'s answer, when the caller has it.
-    """
-    out: dict[int, np.ndarray] = {}
-    for p, scope in (_scoped(layout, sizes) if scoped is None else scoped).items():
-        if scope is None:
-            continue
-        own = {layer for layer, q in layout.owners if q == p}
-        layers = [i for i, layer in enumerate(layout.layers) if layer.startswith(scope + ".") and i not in own]
-        if layers:
-            out[p] = np.asarray(layers, dtype=np.int64)
-    return out
-
-
-def outer(layout: Layout, sizes: np.ndarray, scoped: dict[int, str | None] | None = None) -> dict[int, np.ndarray]:
-    """The gates of the whole model: gate parameters (see ``gates``) whose scope widens to the root, a leaf
-    right under the root or a module holding nothing but gates (DiT's final layer: a zero-initialised
-    Linear and its adaLN modulation; a zero-initialised head). Such a layer is the model's output layer
-    or a branch's end beside it; each with the indices of the layers that own it. ``scoped``: as for
-    :func:`gates`.
-    """
-    scoped = _scoped(layout, sizes) if scoped is None else scoped
-    out: dict[int, list[int]] = {}
-    for layer, p in layout.owners:
-        if p in scoped and scoped[p] is None:
-            out.setdefault(p, []).append(layer)
-    return {p: np.asarray(layers, dtype=np.int64) for p, layers in sorted(out.items())}

@@ -17,10 +17,10 @@ from torch.autograd import Function
 from gradwatch.doctor.results import RELU_FAMILY, DoctorOptions, LossFn
 from gradwatch.doctor.target import _map_tensors, _one_line, compute_loss
 from gradwatch.errors import ConfigError
-from gradwatch.watching.parametrized import computing, is_leaf, own_parameters
 from gradwatch.step.layout import bounds
 from gradwatch.step.origin import tensors
 from gradwatch.store.records import ROOT
+from gradwatch.watching.parametrized import computing, is_leaf, own_parameters
 
 
 # ----------------------------------------------------------------------------------------------- the context

@@ -7,13 +7,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.watching.parametrized import layers_of
 from gradwatch.rootcause import cause, inputs, nodes, ops
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.samples import blamed, concentrated, nonfinite_rows, outliers
 from gradwatch.rootcause.state import Rng
 from gradwatch.store.records import ROOT
+from gradwatch.watching.parametrized import layers_of
 from gradwatch.wording import layer
 
 

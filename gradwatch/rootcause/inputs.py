@@ -61,7 +61,8 @@ def _named(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> l
 
 def describe(name: str, t: torch.Tensor) -> dict[str, Any] | None:
     """What one input tensor holds of NaN/Inf (None when it is finite): its name, layout, shape, the
-    counts of NaN and Inf among its stored values, and the rows (first dimension) that hold them."""
+    counts of NaN and Inf among its stored values, and the rows (first dimension) that hold them.
+    """
     values = stored(t.detach())
     nan, inf = int(torch.isnan(values).sum()), int(torch.isinf(values).sum())
     if not nan and not inf:

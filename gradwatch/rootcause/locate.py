@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.watching.parametrized import layers_of
 from gradwatch.rootcause.capture import KEEP_GRADS, Capture
 from gradwatch.rootcause.state import finite, first_tensor
 from gradwatch.store.records import ROOT
+from gradwatch.watching.parametrized import layers_of
 
 
 @dataclass

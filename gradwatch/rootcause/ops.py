@@ -18,13 +18,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradwatch.watching.parametrized import layers_of
 from gradwatch.rootcause import facts
 from gradwatch.rootcause.capture import Capture
 from gradwatch.rootcause.frames import Line, user_line
 from gradwatch.rootcause.locate import Located
 from gradwatch.rootcause.state import Rng, floats, stored
 from gradwatch.store.records import ROOT
+from gradwatch.watching.parametrized import layers_of
 
 #: ops that allocate memory without writing it, or only move it: never the birth place
 UNWRITTEN = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",

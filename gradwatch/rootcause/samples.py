@@ -33,7 +33,8 @@ def batch_dim(t: torch.Tensor, batch: int) -> int | None:
 
 def per_sample(t: torch.Tensor, batch: int) -> torch.Tensor | None:
     """``t`` as ``[batch, -1]`` (a view where possible), or None when it has no batch dimension (or is
-    sparse: its rows are never densified, see :func:`nonfinite_rows`)."""
+    sparse: its rows are never densified, see :func:`nonfinite_rows`).
+    """
     dim = batch_dim(t, batch)
     return None if dim is None or t.layout != torch.strided else t.detach().movedim(dim, 0).reshape(batch, -1)
 

@@ -49,7 +49,8 @@ def floats(obj: Any) -> list[torch.Tensor]:
 
 def stored(t: torch.Tensor) -> torch.Tensor:
     """The values a tensor stores: a sparse tensor's (COO, CSR, CSC, BSR, BSC) specified elements, which
-    elementwise checks have no sparse kernel for (its unspecified elements are zeros); else itself."""
+    elementwise checks have no sparse kernel for (its unspecified elements are zeros); else itself.
+    """
     if t.layout == torch.sparse_coo:
         return t._values()
     if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):

@@ -22,12 +22,12 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.hooks import RemovableHandle
 
-from gradwatch.watching import guard as entry
-from gradwatch.watching import register
 from gradwatch.errors import RunError, TrainingHalted
 from gradwatch.step import snapshots
 from gradwatch.step.buffers import Buffers
 from gradwatch.store.findings import Finding
+from gradwatch.watching import guard as entry
+from gradwatch.watching import register
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from gradwatch.watching import guard as entry
-from gradwatch.watching import register
 from gradwatch.step import preclip
 from gradwatch.step.buffers import Buffers
 from gradwatch.step.layout import Discovered
 from gradwatch.step.observed import Observed, merge
 from gradwatch.step.origin import Tracker
 from gradwatch.step.probe import Probe
+from gradwatch.watching import guard as entry
+from gradwatch.watching import register
 
 if TYPE_CHECKING:  # the settings are built by the public face (gradwatch.options)
     from gradwatch.options import Options

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from gradwatch.errors import ConfigError
-from gradwatch.watching.parametrized import computing, is_leaf, own_parameters
 from gradwatch.store.records import ROOT, Layout
+from gradwatch.watching.parametrized import computing, is_leaf, own_parameters
 
 #: output bounds of activations that saturate
 _BOUNDED: dict[type[nn.Module], tuple[float, float]] = {

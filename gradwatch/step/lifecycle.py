@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from gradwatch.errors import GradwatchWarning, GroupLeft, RunError, TrainingHalted
-from gradwatch.watching.guard import Guard, guarded
 from gradwatch.judging.judge import Judge
 from gradwatch.step import observed as obs
 from gradwatch.step import stats
@@ -30,6 +29,7 @@ from gradwatch.step.snapshots import Snapshots, rng_state
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import AMP_SCALE, CLOSURE_EVALUATIONS, GRAD_STALE, PARAM, StepRecord
 from gradwatch.store.thread import Writer
+from gradwatch.watching.guard import Guard, guarded
 
 if TYPE_CHECKING:  # the settings are built by the public face (gradwatch.options)
     from gradwatch.options import Options
@@ -80,7 +80,8 @@ class Lifecycle(Reading):
 
     def _optimizer_changed(self) -> None:
         """A new optimizer, or param groups added: look at the model now (the next look by missing
-        gradients waits its period)."""
+        gradients waits its period).
+        """
         self.refresh_layout()
         self.looks.looked(self.step)
 

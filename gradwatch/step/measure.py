@@ -165,7 +165,8 @@ class Measure:
 
     def rescue(self, step: Launched, host: np.ndarray) -> None:
         """Put right in ``host`` (the step's read) the norms that did not fit their sum of squares (one more read,
-        on a rare step); those torch could not compute are 0 there (out of the global norm), and noted."""
+        on a rare step); those torch could not compute are 0 there (out of the global norm), and noted.
+        """
         weights = self._weights(step.tidx) if step.sampled else []
         put_right(self.scales, self.noted, self.found.layout, step.gidx, step.grads, step.tidx, weights,
                   host, step.sampled, step.sharded, step.failed)
@@ -249,8 +250,8 @@ class Measure:
         out, beyond = ranges.stored(values)
         if beyond is not None and scope == LAYER:
             for i in np.flatnonzero(beyond).tolist():
-                self.noted.pending.append((self.found.layout.layers[i], metric, f"beyond float32's range ({values[i]:.3g}): "
-                                   f"stored as {float(out[i]):.3g}"))
+                self.noted.pending.append((self.found.layout.layers[i], metric,
+                                           f"beyond float32's range ({values[i]:.3g}): stored as {float(out[i]):.3g}"))
         return out
 
     @torch.no_grad()

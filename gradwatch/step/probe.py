@@ -31,12 +31,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from gradwatch.watching import guard as entry
-from gradwatch.watching import register
-from gradwatch.watching.guard import Hook, RootHook
 from gradwatch.rootcause.state import first_tensor
 from gradwatch.step.activations import Collected, Reduced, Slot, outputs
 from gradwatch.step.layout import bounds
+from gradwatch.watching import guard as entry
+from gradwatch.watching import register
+from gradwatch.watching.guard import Hook, RootHook
 
 # gradwatch's hooks are the guard's (the one door from torch into gradwatch); a model pickled by an
 # older gradwatch holds ``gradwatch.step.probe._unwatched_copy``, which still loads
@@ -314,8 +314,7 @@ _FUNCTORCH = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_st
 
 
 def transformed() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``...) runs the model now: no step's call, its
-    tensors the transform's wrappers (which reductions may not batch); the hooks record nothing for it."""
+    """Whether a ``torch.func`` transform runs the model now: no step's call; the hooks record nothing."""
     return _FUNCTORCH is not None and _FUNCTORCH() is not None
 
 

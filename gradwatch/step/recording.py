@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from gradwatch.watching.guard import Guard, guarded
 from gradwatch.judging.judge import Judge
 from gradwatch.step import stats
 from gradwatch.step.control import LoopControl
@@ -26,6 +25,7 @@ from gradwatch.step.snapshots import Snapshots
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import StepRecord
 from gradwatch.store.thread import Writer
+from gradwatch.watching.guard import Guard, guarded
 
 if TYPE_CHECKING:  # the settings are built by the public face (gradwatch.options)
     from gradwatch.options import Options
@@ -236,6 +236,7 @@ class Recording:
 
     def retrain(self, trainable: tuple[bool, ...]) -> None:
         """Only which parameters require grad changed: a new version of the same layout, measured as it was
-        (its indices stand: the step being read keeps its vectors)."""
+        (its indices stand: the step being read keeps its vectors).
+        """
         self.found = self.measure.found = retrained(self.found, trainable)
         self.it.retrained(self.found)

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradwatch.step.ranges import NARROW, dense as _dense, real, scaled_norms
+from gradwatch.step.ranges import NARROW, real, scaled_norms
+from gradwatch.step.ranges import dense as _dense
 
 _INF = float("inf")
 
@@ -229,7 +230,8 @@ def counted(t: Tensor) -> Tensor:
 
 def vector_norm(t: Tensor, dim: int | None = None) -> Tensor:
     """``torch.linalg.vector_norm`` in float32, or float64 for a float64 or complex128 tensor (a complex
-    tensor's is of its magnitudes)."""
+    tensor's is of its magnitudes).
+    """
     if t.dtype in NARROW:
         return torch.linalg.vector_norm(t, dim=dim, dtype=torch.float32)
     return real(torch.linalg.vector_norm(t, dim=dim))

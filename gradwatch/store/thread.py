@@ -20,11 +20,11 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 
-from gradwatch.watching import guard as entry
-from gradwatch.watching import register
 from gradwatch.sinks import Sink
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import StepRecord
+from gradwatch.watching import guard as entry
+from gradwatch.watching import register
 
 log = logging.getLogger("gradwatch")
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from gradwatch.watching import unpickled
 from gradwatch.errors import TrainingHalted
+from gradwatch.watching import unpickled
 
 log = logging.getLogger("gradwatch")
 

@@ -67,8 +67,10 @@ def registrations(hook: Hook) -> list[RemovableHandle]:
     ``register_parameter``, ``load_state_dict(assign=True)``) call ``hook(module, name, value)`` before it
     takes effect; ``hook`` returns None (torch would register what it returns instead).
     """
-    from torch.nn.modules.module import (register_module_module_registration_hook,
-                                         register_module_parameter_registration_hook)
+    from torch.nn.modules.module import (
+        register_module_module_registration_hook,
+        register_module_parameter_registration_hook,
+    )
 
     return [register_module_module_registration_hook(_checked(hook)),
             register_module_parameter_registration_hook(_checked(hook))]

@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from gradwatch.watching import ending, register, unregistered
-from gradwatch.watching import guard as entry
 from gradwatch.config import Config, resolve
 from gradwatch.errors import ConfigError, GradwatchWarning, InternalWarning
 from gradwatch.options import Options, run_path
 from gradwatch.step.layout import unwrap
+from gradwatch.watching import ending, register, unregistered
+from gradwatch.watching import guard as entry
 from gradwatch.watching.watcher import Watcher
 
 M = TypeVar("M")
@@ -243,7 +243,8 @@ def _dropped(watcher_: Watcher) -> None:
 
 def _forked() -> None:
     """In a child forked from this process: the watchers it inherited go quiet (:meth:`Watcher.orphan`), none
-    closes a run at the child's exit, and no instance of a watched class is watched there (docs/watching.md)."""
+    closes a run at the child's exit, and no instance of a watched class is watched there (docs/watching.md).
+    """
     ending.forked()
     for watcher_ in {*_watchers.values(), *_live}:
         watcher_.orphan()

@@ -15,7 +15,6 @@ from torch import nn
 from gradwatch.actions import Action
 from gradwatch.config import Config
 from gradwatch.errors import GradwatchWarning
-from gradwatch.watching.guard import Guard
 from gradwatch.judging.judge import Judge, build_plugin_actions
 from gradwatch.options import Options
 from gradwatch.sinks import plugin_sinks
@@ -25,6 +24,7 @@ from gradwatch.store import resume
 from gradwatch.store.records import Layout
 from gradwatch.store.thread import Writer
 from gradwatch.store.writer import create_store, default_meta
+from gradwatch.watching.guard import Guard
 
 log = logging.getLogger("gradwatch")
 

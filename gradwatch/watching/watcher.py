@@ -11,10 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.watching import ending, startup
 from gradwatch.config import Config
 from gradwatch.errors import GradwatchError, GroupLeft, InternalWarning
-from gradwatch.watching.guard import Guard
 from gradwatch.integrations.framework import FrameworkAPI
 from gradwatch.judging.judge import Judge
 from gradwatch.options import Options
@@ -29,6 +27,8 @@ from gradwatch.step.origin import Tracker
 from gradwatch.step.snapshots import Snapshots
 from gradwatch.store import verdict
 from gradwatch.store.thread import WriterDied
+from gradwatch.watching import ending, startup
+from gradwatch.watching.guard import Guard
 
 log = logging.getLogger("gradwatch")
 

@@ -1,4 +1,4 @@
-"""Matrix axis: autograd APIs — backward, autograd.grad, double backward, retain_graph, checkpointing, torch.func, closures."""
+"""Matrix axis: autograd APIs — backward, autograd.grad, double backward, retain_graph, checkpoints, torch.func."""
 
 from __future__ import annotations
 

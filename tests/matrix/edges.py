@@ -45,13 +45,13 @@ class WideSGD(torch.optim.Optimizer):
 
 
 def weights_at(scale: float, dtype: torch.dtype) -> Loop:
-    """Weights near ``scale`` and their gradients near ``1/scale``, in ``dtype``: a healthy training."""
-    model = nn.Sequential(Units(4, 16, scale, dtype), nn.Tanh(), nn.Linear(16, 1).to(dtype))
+    """Every weight near ``scale`` and its gradient near ``1/scale``, in ``dtype``: a healthy training."""
+    model = nn.Sequential(Units(4, 16, scale, dtype), nn.Tanh(), Units(16, 1, scale, dtype))
     lr = 0.05
 
     def optimizer(m: nn.Module) -> torch.optim.Optimizer:
-        return WideSGD([{"params": [m[0].weight], "lr": lr * scale * scale},
-                        {"params": [m[0].bias, *m[2].parameters()]}], lr=lr)
+        return WideSGD([{"params": [m[0].weight, m[2].weight], "lr": lr * scale * scale},
+                        {"params": [m[0].bias, m[2].bias]}], lr=lr)
 
     return supervised(model, dtype=dtype, optimizer=optimizer)
 

@@ -123,19 +123,19 @@ def views() -> Loop:
 
 
 def jagged() -> Loop:
-    """A jagged nested tensor of variable-length sequences through Linear layers, summed per sequence."""
+    """A jagged nested tensor of variable-length sequences through Linear layers, averaged per sequence."""
     model = mlp(torch.float32, out=1)
 
     def data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(7000 + i)
-        lengths = [3, 5, 2, 4]
+        lengths = [2 + (i + k) % 5 for k in range(16)]
         seqs = [torch.randn(n, 4, generator=g) for n in lengths]
         x = torch.nested.nested_tensor(seqs, layout=torch.jagged)
-        return x, torch.stack([s[:, :2].sum() for s in seqs]).unsqueeze(1)
+        return x, torch.stack([s[:, :2].sum(1).mean() for s in seqs]).unsqueeze(1)
 
     def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = m(x)
-        return torch.stack([t.sum(0) for t in out.unbind()])
+        return torch.stack([t.mean(0) for t in out.unbind()])
 
     def poison(x: torch.Tensor) -> torch.Tensor:
         seqs = list(x.unbind())
@@ -146,7 +146,8 @@ def jagged() -> Loop:
 
 
 CELLS = [
-    *[Cell(f"layouts/{name}-{'buffer' if buffer else 'input'}", lambda layout=layout, buffer=buffer: gcn(layout, buffer))
+    *[Cell(f"layouts/{name}-{'buffer' if buffer else 'input'}",
+           lambda layout=layout, buffer=buffer: gcn(layout, buffer))
       for name, layout in (("sparse-coo", torch.sparse_coo), ("sparse-csr", torch.sparse_csr))
       for buffer in (False, True)],
     Cell("layouts/sparse-embedding-gradients", sparse_embedding, reference=False),

@@ -40,7 +40,8 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def supervised(model: nn.Module, *, dtype: torch.dtype = torch.float32, lr: float = 0.05,
                optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
-               data: Callable[[int], Batch] | None = None, forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+               data: Callable[[int], Batch] | None = None,
+               forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
                loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse, scale: float = 1.0,
                poison: Callable[[Any], Any] = poisoned) -> Loop:
     """The loop most people write: batch, forward, loss, ``zero_grad``, ``backward``, ``observe``, ``step``.
