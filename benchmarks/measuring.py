@@ -19,11 +19,11 @@ from variants import SETUP, Loop, make_loop, with_gradwatch
 from workloads import WORKLOADS, Workload
 
 import gradwatch as gw
-from gradwatch.watching import watcher as watching
 from gradwatch.judging import judge
 from gradwatch.rootcause import capture, state
 from gradwatch.step import iteration, lifecycle, origin, probe, recording, stats
 from gradwatch.step import measure as measure_module
+from gradwatch.watching import watcher as watching
 
 #: finding severities that a healthy benchmark run must not produce
 BAD_SEVERITIES = ("warning", "error")

@@ -112,7 +112,8 @@ class Root:
 
     def run_id(self, path: Path) -> str:
         """The name a run directory is addressed by: text whatever the filesystem encoding (a non-ASCII
-        name under a C locale with UTF-8 mode off is its UTF-8 characters, not lone surrogates)."""
+        name under a C locale with UTF-8 mode off is its UTF-8 characters, not lone surrogates).
+        """
         return encoding.readable(path.relative_to(self.root).as_posix())
 
     def open(self, run_id: str) -> Run:
