@@ -196,7 +196,9 @@ def reference_norms(model: nn.Module) -> dict[str, float]:
         return {}
     try:
         with torch.no_grad():
-            values = torch.stack([p.detach().float().norm().to("cpu") for _, p in named]).tolist()
+            # a complex parameter's norm is of its magnitudes: real, no cast that drops the imaginary part
+            values = torch.stack([(p.detach().abs() if p.is_complex() else p.detach()).float().norm().to("cpu")
+                                  for _, p in named]).tolist()
     except Exception:  # parameters on several devices, sharded (DTensor), or not materialised: no reference
         return {}
     return dict(zip((n for n, _ in named), values))
