@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+
+import gradwatch as gw
 
 from . import pool
 from .realcode import Result, gpt, hf_trainer, lstm_lm, reinforce, resnet, train, unwatched_aside, vae
@@ -170,17 +173,22 @@ def test_hf_trainer_lr_1000x_divergence_is_named_within_3_steps(tmp_path: Path) 
 
 # ----------------------------------------------------- huge but finite: a norm that overflows
 @pytest.mark.slow  # the overflowing step is replayed to find the samples that carry it
-def test_a_global_norm_overflowing_from_finite_elements_is_an_explosion_at_step_0(tmp_path: Path) -> None:
-    """A log-variance head that starts at 45: exp() makes gradients up to 5e21, whose float32 sum of
-    squares is inf. Before: nothing (inf was left to the nonfinite detector, which sees no
-    non-finite element), and 'vanishing' on the saturated decoder at step 9."""
+def test_gradients_whose_squares_overflow_are_named_at_step_0_with_a_norm_recorded_right(tmp_path: Path) -> None:
+    """A log-variance head that starts at 45: exp() makes gradients up to 5e21, whose squares overflow
+    float32: Adam's second moment turns inf, and its update of the head's bias is exactly 0. Before the norms
+    were scaled, the float32 sum of squares was inf (an 'exploding' error from gradwatch's own arithmetic);
+    before that, nothing, and 'vanishing' on the saturated decoder at step 9. Now the norm is recorded
+    right, and the update of 0 is named with its cause (not a learning rate of 0), as an error."""
     result = train(vae, tmp_path / "run", logvar_bias=45.0, steps=2)
     assert result.losses[0] > 1e20
     found = loud(result)
-    assert summary(found) == [("exploding", 0, "fc22")]
-    assert found[0]["severity"] == "error" and found[0]["data"]["overflow"] is True
-    assert found[0]["message"].startswith("global gradient norm overflows float32 (inf) at step 0 although every "
-                                          "gradient element is finite (the largest is 5.05e+21)")
+    assert summary(found) == [("unoptimized_parameter", 0, "fc22")]
+    assert found[0]["severity"] == "error" and found[0]["data"]["reason"] == "squares_overflow"
+    assert found[0]["message"].startswith("fc22.bias (20 elements) gets gradients but never changes (an update of "
+                                          "exactly 0 at step 0): gradient elements reach 5.05e+21, beyond 1.8e+19")
+    with gw.open_run(result.run) as run:
+        norms = run.metrics().query("metric == 'grad_norm' and step == 0")
+    assert np.isfinite(norms.value).all() and 1e22 < norms.value.max() < 1e24
 
 
 # --------------------------------------------- item 5: parameters that no optimizer changes

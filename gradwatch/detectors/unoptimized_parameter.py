@@ -34,6 +34,15 @@ MOVING = 1e-4
 FINE = float(np.finfo(np.float32).eps)
 #: a parameter whose gradient, relative to its weights, is below this fraction of the median one is not judged
 TINY = 1e-3
+#: a gradient element beyond this has a square beyond float32's largest value (3.4e38): an optimizer that keeps
+#: squared gradients in float32 (Adam's second moment) turns inf there, and its update exactly 0
+SQUARES = float(np.sqrt(np.finfo(np.float32).max))
+#: a parameter whose dtype's machine epsilon is at most this is float64: its squares fit far beyond SQUARES
+WIDE = 1e-10
+HINT_SQUARES = (
+    "gradients this large come from an unbounded op (exp of a log-variance, a division by a tiny number, "
+    "unnormalised inputs or targets): bound it (clamp, normalise), or clip the gradients before the step"
+)
 #: per-parameter vector, when the record carries it: 1 where an optimizer that stepped the model holds the
 #: parameter, 0 where none does
 HELD = "optimizer_held"
@@ -115,11 +124,18 @@ class UnoptimizedParameter(Detector):
         # weights a too-high learning rate blew up round their updates to exactly 0: not judged then
         if not still and not self.causes.named(LR_HIGH, record.step):
             due = np.flatnonzero(zero & (self._runs == self.patience))
-            if len(due):
-                out.append(self._report(record, due, True))
+            largest = record.vector("grad_max", PARAM)
+            squared = np.zeros(len(due), dtype=bool)
+            if largest is not None and len(due) and len(layout.eps) == len(ratio):
+                squared = (largest[due] > SQUARES) & (np.asarray(layout.eps)[due] > WIDE)
+            if squared.any():  # not a learning rate of 0: the optimizer's squares of them overflowed
+                out.append(self._report(record, due[squared], True, largest=float(np.max(largest[due[squared]]))))
+            if (~squared).any():
+                out.append(self._report(record, due[~squared], True))
         return out
 
-    def _report(self, record: StepRecord, idx: np.ndarray, zero: bool, frozen_only: bool = False) -> Finding:
+    def _report(self, record: StepRecord, idx: np.ndarray, zero: bool, frozen_only: bool = False,
+                largest: float | None = None) -> Finding:
         layout = record.layout
         names = [layout.params[i] for i in idx]
         numel = sum(layout.param_numel[i] for i in idx)
@@ -127,7 +143,12 @@ class UnoptimizedParameter(Detector):
         shown = ", ".join(_layer(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         what = f"{shown} ({plural(numel, 'element')})"
         verb = "gets" if len(names) == 1 else "get"
-        if zero:
+        if largest is not None:
+            message = (f"{what} {verb} gradients but never change{'s' if len(names) == 1 else ''} (an update of "
+                       f"exactly 0 at step {record.step}): gradient elements reach {largest:.3g}, beyond "
+                       f"{SQUARES:.2g}, whose squares overflow float32: Adam's second moment turns inf and its "
+                       "update 0.")
+        elif zero:
             message = (f"{what} {verb} gradients but never change{'s' if len(names) == 1 else ''} (an update of "
                        f"exactly 0 on {plural(self.patience, 'sampled step')} up to step {record.step}) while the "
                        "rest of the model learns: their param group's learning rate is 0.")
@@ -140,9 +161,12 @@ class UnoptimizedParameter(Detector):
                                           "before the model was wrapped or frozen (peft.get_peft_model, "
                                           "requires_grad_(False)) trains nothing.")
         layers = sorted({layout.owner(int(i)) for i in idx}, key=layout.layers.index)
-        hint = HINT_ZERO if zero else HINT_FROZEN if frozen_only else HINT_HELD
-        data = {"parameters": names, "layers": layers, "reason": "zero_update" if zero else "not_in_optimizer",
-                "hint": hint}
-        # no trainable parameter is in an optimizer: the run trains nothing at all
-        severity = "error" if frozen_only else "warning"
+        hint = HINT_SQUARES if largest is not None else HINT_ZERO if zero else HINT_FROZEN if frozen_only else HINT_HELD
+        reason = "squares_overflow" if largest is not None else "zero_update" if zero else "not_in_optimizer"
+        data = {"parameters": names, "layers": layers, "reason": reason, "hint": hint}
+        if largest is not None:
+            data["largest"] = largest
+        # no trainable parameter is in an optimizer (the run trains nothing at all), or gradients whose squares
+        # overflow stop Adam from training them: errors
+        severity = "error" if frozen_only or largest is not None else "warning"
         return self.finding(record, severity, layer, message, value=float(len(names)), data=data)

@@ -62,9 +62,9 @@ KINDS: dict[str, Kind] = {
             "Check the batch of this step: unnormalised or corrupted inputs and targets cause sudden spikes.",
             "Check the initialisation scale of the layer named (weights too large), especially in RNNs.",
             "Add normalisation layers; for RNNs prefer LSTM/GRU and clip.",
-            "A norm of inf from finite gradients (their float32 sum of squares overflowed) comes from an unbounded "
-            "op: exp of a log-variance, a division by a tiny number, unnormalised inputs. Bound it (clamp, "
-            "normalise); clipping cannot rescale a norm that does not fit in float32.",
+            "Gradient elements beyond 1.8e19 (their squares overflow float32: Adam's update turns 0) come from an "
+            "unbounded op: exp of a log-variance, a division by a tiny number, unnormalised inputs. Bound it (clamp, "
+            "normalise); clipping rescales the gradient, but not the op that keeps producing it.",
         ),
     ),
     "loss_spike": Kind(
