@@ -113,7 +113,7 @@ def test_smoke_example_passes_and_keeps_readable_runs(healthy: tuple[subprocess.
     assert sorted(p.name for p in runs.iterdir()) == sorted(f"tests_test_smoke_training.py__{t}-0" for t in TESTS)
     for name in TESTS:
         run = gw.open_run(runs / f"tests_test_smoke_training.py__{name}-0")
-        assert (run.steps, run.status) == (40, "finished")
+        assert (run.steps, run.status) == (50, "finished")
         assert run.layers == ["fc1", "act", "fc2"]
         assert run.findings().empty
 

@@ -29,7 +29,9 @@ REGISTERING = {
     "register_step_pre_hook", "register_step_post_hook", "register_optimizer_step_pre_hook",
     "register_optimizer_step_post_hook", "register_module_forward_hook", "register_module_forward_pre_hook",
     "register_module_full_backward_hook", "register_module_full_backward_pre_hook", "queue_callback",
-    "register_multi_grad_hook", "Thread", "signal",
+    "register_multi_grad_hook", "Thread", "signal", "register_at_fork",
+    "register_module_module_registration_hook", "register_module_parameter_registration_hook",
+    "register_module_buffer_registration_hook",
 }
 #: modules that register hooks for the length of one call of gradwatch's own (a replay, a doctor run,
 #: which run inside a guarded hook or a CLI command and remove them before they return), or a thread

@@ -72,16 +72,20 @@ EXACT = 2
 
 
 def outputs(output: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The floating-point and complex tensors of a module's output, in order: the output itself, or
-    those inside a tuple, list, named tuple, dict (a ``ModelOutput``) or dataclass, however nested.
+    """The floating-point and complex tensors of a module's output, in order: the output itself, those
+    inside a named tuple, dict (a ``ModelOutput``) or dataclass, however nested — each field a named output
+    — and of a plain tuple or list the first that holds one: ``(output, state)`` by convention (an RNN's
+    ``h_n`` is its output's last step and ``c_n`` its memory, ``MultiheadAttention``'s second its weights).
     """
     if isinstance(output, torch.Tensor):
         return [output] if output.is_floating_point() or output.is_complex() else []
     if depth > 8:
         return []
+    if isinstance(output, (tuple, list)) and not hasattr(output, "_fields"):
+        return next((found for item in output if (found := outputs(item, depth + 1))), [])
     if isinstance(output, dict):
         items: Any = output.values()
-    elif isinstance(output, (tuple, list)):
+    elif isinstance(output, tuple):  # a named tuple
         items = output
     elif dataclasses.is_dataclass(output) and not isinstance(output, type):
         items = [getattr(output, f.name, None) for f in dataclasses.fields(output)]

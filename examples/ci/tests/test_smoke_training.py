@@ -14,11 +14,11 @@ from smoke_train import train
 
 @pytest.mark.gradwatch  # the marker alone is enough: the model train() creates is watched automatically
 def test_smoke_training_learns() -> None:
-    losses = train(steps=40)
+    losses = train(steps=50)
     assert losses[-1] < losses[0] / 4
 
 
 @pytest.mark.gradwatch(fail_on="warning", sample_every=1)  # stricter: warnings fail too; every statistic every step
 def test_smoke_training_has_healthy_gradients(gradwatch) -> None:
-    train(steps=40)
+    train(steps=50)
     assert len(gradwatch.runs) == 1  # one model was trained, and watched
