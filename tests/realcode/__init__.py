@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -114,6 +115,46 @@ def aside(script: Any, run: Path | None, **config: Any) -> Any:
 def unwatched_aside(script: Any, **config: Any) -> Any:
     """:func:`aside` unwatched: the plain run that a watched one is compared with."""
     return aside(script, None, **config)
+
+
+# ------------------------------------------------- messages, up to the float noise of a training run
+#: a number as messages print it (an integer, a decimal, a float in e-notation)
+_NUMBER = re.compile(r"[-+]?\d+(?:\.(\d+))?(?:e([-+]?\d+))?")
+#: in a template: any number here (a figure a training trajectory decides: a loss after a few steps)
+ANY = "{n}"
+
+
+def says(message: str, template: str) -> bool:
+    """Whether ``message`` starts with what ``template`` says, up to the float noise of a training run.
+
+    A training run's figures differ between CPUs, thread counts and library versions. In ``template``,
+    :data:`ANY` stands for any number; a decimal printed there agrees within 5% (or two units of its last
+    printed digit), and every word and integer (a step, a count, a layer's index) must be the same. Use
+    literal decimals only for figures of the first steps (an initialisation's), :data:`ANY` for later ones.
+    """
+    parts, wanted = [], []
+    at = 0
+    for found in re.finditer(re.escape(ANY) + "|" + _NUMBER.pattern, template):
+        parts.append(re.escape(template[at:found.start()]))
+        parts.append(f"({_NUMBER.pattern.replace('(', '(?:').replace('(?:?:', '(?:')})")
+        wanted.append(None if found.group(0) == ANY else found)
+        at = found.end()
+    parts.append(re.escape(template[at:]))
+    got = re.match("".join(parts), message)
+    if got is None:
+        return False
+    for want, value in zip(wanted, got.groups()):
+        if want is None:
+            continue
+        digits = want.group(1)
+        if digits is None and "e" not in want.group(0):
+            if want.group(0) != value:  # an integer
+                return False
+            continue
+        last = 10.0 ** (int(want.group(2) or 0) - len(digits)) if digits else 0.0  # 2e-05: within 5% only
+        if not math.isclose(float(want.group(0)), float(value), rel_tol=0.05, abs_tol=2 * last):
+            return False
+    return True
 
 
 # ------------------------------------------------- reading a run as a user reads it
