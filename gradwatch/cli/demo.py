@@ -25,6 +25,7 @@ def demo(run_dir: Path, steps: int) -> None:
     from gradwatch.demo import CORRUPTED_STEP, POISONED_STEP, run_demo
 
     console = Console()
+    console.soft_wrap = not console.is_terminal  # a log file: no hard wraps (and no spaces they leave behind)
     console.print(intro(steps, POISONED_STEP, CORRUPTED_STEP), soft_wrap=True)
     with console.status(f"training the demo model for {steps} steps ..."):
         path = run_demo(run_dir, steps=steps, console=False)
@@ -81,12 +82,21 @@ def render_findings(console: Console, findings: pd.DataFrame) -> None:
     table = Table(title="findings")
     for col in ("step", "severity", "kind", "layer", "action", "message"):
         table.add_column(col, overflow="fold")
+    lines = []
     for row in findings.itertuples():
         layer = row.layer if isinstance(row.layer, str) else "-"
         repeats = encoding.whole(row.data.get("repeats"), 1) if isinstance(row.data, dict) else 1
         step = f"{row.step}" + (f" (x{repeats})" if repeats > 1 else "")
         table.add_row(step, row.severity, row.kind, layer, row.action or "-", escape(row.message))
-    console.print(table)
+        where = f" {layer}" if layer != "-" else ""
+        action = f" -> {row.action}" if row.action and row.action != "warn" else ""
+        lines.append(f"gradwatch {row.severity} step {step} {row.kind}{where}: {row.message}{action}")
+    if console.is_terminal:
+        console.print(table)
+        return
+    console.print("findings:")  # a log file: each finding whole on one line, as training printed it
+    for line in lines:
+        console.print(line, soft_wrap=True, markup=False)
 
 
 def _fmt(value: float) -> str:

@@ -23,6 +23,7 @@ from gradwatch import actions, detectors
 from gradwatch.actions import Control
 from gradwatch.detectors.exploding import Exploding
 from gradwatch.errors import PluginWarning, TrainingHalted
+from gradwatch.judging.escalate import Clips
 from gradwatch.rules import PRECEDENCE, Decision, decide
 from gradwatch.store.findings import SEVERITIES, Cooldown, Finding, rank
 from gradwatch.store.records import StepRecord
@@ -63,6 +64,7 @@ class Judge:
         self.counts: dict[str, int] = {"info": 0, "warning": 0, "error": 0}
         self.worst: str | None = None
         self.rolls_back = config.rules is not None and any(r.do == "rollback" for r in config.rules)
+        self._clips = Clips()  # a clip needed again and again halts (the rule's max_clips)
 
     # ---------------------------------------------------------------- checks
     def check(self, record: StepRecord) -> list[Finding]:
@@ -173,6 +175,8 @@ class Judge:
                     if outcome and finding.id is not None:  # a folded repeat has no row of its own
                         finding.data.setdefault("outcome", {}).update(outcome)
                         acted.append(finding)
+                    if action == "clip" and outcome.get("clipped"):
+                        self._clips.clipped(rule, finding, control, acted)
         finally:  # also when an action halts training: its outcome is kept and the findings printed
             if acted:
                 self._writer.submit_findings(acted)
@@ -247,7 +251,8 @@ class Judge:
         head = f"[{_STYLE[f.severity]}]gradwatch {f.severity}[/] step {f.step} {f.kind}{where}"
         unstored = self._writer.unstored()  # persist, then print: or say that it is not on disk
         note = f" [bold](not stored: {escape(unstored)})[/bold]" if unstored else ""
-        self._console.print(f"{head}: {escape(f.message)}{action}{note}")
+        # a terminal wraps at its width; a file or pipe gets the whole finding on one line, unpadded
+        self._console.print(f"{head}: {escape(f.message)}{action}{note}", soft_wrap=not self._console.is_terminal)
 
     def clip_bound(self) -> float:
         """The adaptive clipping bound: the largest global norm the run's own healthy history calls
@@ -289,8 +294,6 @@ def well_formed(detector: detectors.Detector, record: StepRecord, found: object)
                             f"layer, message, value=<number or None>, data=<dict>) (kind {detector.kind!r}, "
                             f"step {record.step})")
         finding_json(f.data)
-
-
 
 
 def _disabled(what: str, step: int, exc: Exception) -> None:
