@@ -61,10 +61,12 @@ class Attachment:
             assert self.watcher is not None
             self.watcher.observe(**scalars)
 
-    def close(self, status: str | None = None) -> None:
-        """Close the run (idempotent): finished, or ``status`` (``"crashed"``)."""
+    def close(self, status: str | None = None, detail: dict[str, Any] | None = None) -> None:
+        """Close the run (idempotent): finished, or ``status`` (``"crashed"``, ``"terminated"``) with
+        ``detail`` (its ``exception``, ``signal``).
+        """
         if self.watcher is not None:
-            self.watcher.close(status)
+            self.watcher.close(status, detail)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

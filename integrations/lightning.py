@@ -4,7 +4,8 @@
     trainer = Trainer(callbacks=[GradWatchCallback(run="runs/exp1")])
 
 - the module is watched from ``on_fit_start``; the run is closed at ``on_train_end`` (finished),
-  at a halt (halted) or in ``on_exception`` (crashed);
+  at a halt (halted) or in ``on_exception``: terminated (signal 15) when Lightning's own SIGTERM
+  handling stops the fit (a preempted job), else crashed;
 - the step moment is ``on_before_optimizer_step``: after backward and after the GradScaler's
   unscale under AMP, before Lightning's own gradient clipping (``gradient_clip_val``) and the
   optimizer's update. (Lightning calls ``optimizer.step(closure)``: the optimizer's step
@@ -24,12 +25,14 @@ Works with ``lightning.pytorch``, or ``pytorch_lightning`` when only that is ins
 from __future__ import annotations
 
 import math
+import signal
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gradwatch.integrations._attach import Attachment, loss_scale, unwrap_optimizer
+from gradwatch.watching.ending import described_exception
 
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -97,8 +100,16 @@ class GradWatchCallback(Callback):
         self._attachment.close()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """Close the run as crashed (an interrupt closes it as finished, like ``with watcher:``)."""
-        self._attachment.close(None if isinstance(exception, KeyboardInterrupt) else "crashed")
+        """Close the run as ``terminated`` when Lightning stops on a SIGTERM (its ``SIGTERMException``: a
+        preempted job), else as ``crashed`` with the exception (an interrupt closes it as finished, like
+        ``with watcher:``).
+        """
+        if isinstance(exception, KeyboardInterrupt):
+            self._attachment.close()
+        elif getattr(trainer, "received_sigterm", False):
+            self._attachment.close("terminated", {"signal": int(signal.SIGTERM)})
+        else:
+            self._attachment.close("crashed", {"exception": described_exception(type(exception), exception)})
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Close the run if nothing else did."""

@@ -185,6 +185,8 @@ def test_an_exception_closes_the_run_as_crashed(tmp_path: Path) -> None:
         trainer([callback]).fit(Net(fail_at=4), loader())
     run = gw.open_run(tmp_path / "run")
     assert run.status == "crashed" and run.steps == 4
+    assert run.ended == {"status": "crashed", "exception": "RuntimeError: the data pipeline broke"}, \
+        "the exception is told, as a plain loop's crash tells it"
 
 
 def test_gradient_accumulation_counts_optimizer_steps_and_the_unnormalised_loss(tmp_path: Path) -> None:
