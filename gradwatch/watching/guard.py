@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from gradwatch.errors import TrainingHalted
+from gradwatch.errors import TrainingHalted, trimmed
 from gradwatch.watching import unpickled
 
 log = logging.getLogger("gradwatch")
@@ -205,8 +205,8 @@ class Hook(unpickled.Dropped):
             if _ALERT and not _slow(self):
                 return None
             return self._call(*args)
-        except TrainingHalted:
-            raise
+        except TrainingHalted as exc:  # the user's traceback: their frames, this hook's and the one that raised
+            raise trimmed(exc) from exc.__cause__
         except Exception as exc:
             self._guard.failed(self.kind, exc, args)
             return None
@@ -238,7 +238,10 @@ class RootHook(Hook):
         """Run the hook (nothing when traced into a graph)."""
         if torch.compiler.is_dynamo_compiling():
             return None
-        return Hook.__call__(self, *args)
+        try:
+            return Hook.__call__(self, *args)
+        except TrainingHalted as exc:
+            raise trimmed(exc) from exc.__cause__
 
 
 def _untraced(function: Callable[..., Any]) -> None:
@@ -264,7 +267,10 @@ class Moment(Hook):
     def __call__(self, *args: Any) -> Any:
         """Count the call, then run the hook."""
         self._guard.moments += 1
-        return Hook.__call__(self, *args)
+        try:
+            return Hook.__call__(self, *args)
+        except TrainingHalted as exc:
+            raise trimmed(exc) from exc.__cause__
 
 
 # A hook that starts a frame of its own under dynamo runs as plain Python: where a compiled forward

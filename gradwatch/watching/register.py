@@ -21,6 +21,7 @@ import torch
 from torch.optim import optimizer as torch_optim
 from torch.utils.hooks import RemovableHandle
 
+from gradwatch.errors import TrainingHalted, trimmed
 from gradwatch.watching import guard, unpickled
 from gradwatch.watching.guard import Hook
 
@@ -251,6 +252,8 @@ class _Dispatch:
                 result = hook(opt, args, kwargs)
                 if isinstance(result, tuple) and len(result) == 2:
                     changed = args, kwargs = result
+        except TrainingHalted as exc:  # raised from torch's optimizer step: one frame of gradwatch above the raise
+            raise trimmed(exc) from exc.__cause__
         finally:
             self.running = ""
         return changed
@@ -261,6 +264,8 @@ class _Dispatch:
         try:
             for hook in list(self.post):
                 hook(opt, args, kwargs)
+        except TrainingHalted as exc:
+            raise trimmed(exc) from exc.__cause__
         finally:
             self.running = ""
 

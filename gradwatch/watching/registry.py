@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from gradwatch.config import Config, resolve
-from gradwatch.errors import ConfigError, GradwatchWarning, InternalWarning
+from gradwatch.errors import ConfigError, GradwatchWarning, InternalWarning, boundary
 from gradwatch.options import Options, run_path
 from gradwatch.step.layout import unwrap
 from gradwatch.watching import ending, register, unregistered
@@ -50,6 +50,7 @@ def _free_run_dir(run: Path) -> Path:
     return candidate
 
 
+@boundary
 def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: Any = "default",
           log_every: int | None = None, **options: Any) -> Any:
     """Watch a model (or every instance of a Module class): one line, then an ordinary loop.
@@ -103,6 +104,7 @@ def watch(model_or_class: Any = None, *, run: str | Path | None = None, rules: A
     return model
 
 
+@boundary
 def check_settings(*, rules: Any = "default", log_every: int | None = None, **options: Any) -> None:
     """Check :func:`watch`'s settings without watching anything (framework callbacks do, when built).
 
