@@ -122,26 +122,28 @@ def test_a_users_run_gets_every_step_the_sampled_layers_the_findings_the_verdict
 
     (found,) = offline_runs(offline)
     stored = gw.open_run(offline / "run")
-    # every step once, its global series as the store has them, against gradwatch's own step axis
+    # gradwatch's steps merged into the user's rows (one per writer batch, the NaN step first), each with its
+    # global series as the store has them, against gradwatch's own step axis
     rows = gradwatch_rows(found)
-    assert [row["gradwatch/step"] for row in rows] == list(range(STEPS))
+    steps = [row["gradwatch/step"] for row in rows]
+    assert steps == sorted(set(steps)) and set(steps) <= set(range(STEPS)) and NAN_STEP in steps
     scalars = stored.scalars()
     for name in ("grad_norm", "loss", "lr"):
         for row in rows:
             assert same(row[f"gradwatch/global/{name}"], float(scalars.loc[row["gradwatch/step"], name])), name
-    assert math.isnan(rows[NAN_STEP]["gradwatch/global/grad_norm"])
-    assert [row["gradwatch/step"] for row in rows if "gradwatch/global/skipped" in row] == [NAN_STEP]
+    assert all(row["gradwatch/global/skipped"] == (row["gradwatch/step"] == NAN_STEP) for row in rows)
+    assert math.isnan(rows[steps.index(NAN_STEP)]["gradwatch/global/grad_norm"])
     (axis,) = [m for m in found.metrics if m.glob_name == "gradwatch/*"]
     assert axis.step_metric == "gradwatch/step"
-    # no row was given step=: W&B's own row counter runs on, and the user's rows are all kept
-    assert [row["_step"] for row in found.rows] == list(range(len(found.rows)))
-    assert [row["train/step"] for row in found.rows if "train/loss" in row] == list(range(STEPS + 1))
+    # gradwatch never advanced W&B's own row counter: one row per log of the user's, each with the user's step
+    assert [row["_step"] for row in found.rows] == list(range(STEPS + 1))
+    assert [row["train/step"] for row in found.rows] == list(range(STEPS + 1))
 
     # per-layer statistics: on sampled steps (and the NaN step), each as the store has it
     info = stored.step_info()
     sampled = set(info.loc[info["sampled"], "step"])
     values = layer_values(found)
-    assert values_steps(values) == sampled | {NAN_STEP}
+    assert NAN_STEP in values_steps(values) and values_steps(values) <= sampled | {NAN_STEP}
     metrics = stored.metrics()
     layers = {(int(r.step), r.layer, r.metric): float(r.value) for r in metrics.itertuples() if r.layer is not None}
     assert all(same(value, layers[key]) for key, value in values.items())  # a NaN gradient is a NaN there too
@@ -229,6 +231,7 @@ def test_alerts_are_rate_limited_per_kind_and_count_what_they_held_back(
     for at, f in sent:
         clock[0] = at
         sink.write_findings([f])
+        run.log({"t": at})  # the user's row, into which a table logged at ``at`` went (commit=False)
     sink.close("finished")
     run.finish()
 
@@ -239,8 +242,10 @@ def test_alerts_are_rate_limited_per_kind_and_count_what_they_held_back(
     assert found.alerts[2].text.endswith("(1 more nonfinite error(s) since the last alert.)")
     assert found.alerts[0].wait_duration == 600_000  # W&B's own throttle by title agrees
     # the table: logged at once (t=0), not again within table_every, then at t=700, and at the close for t=710's
-    versions = [row["gradwatch/step"] for row in found.rows if "gradwatch/findings/path" in row]
-    assert versions == [3, 9, 10]
+    # (into the row W&B commits as the run finishes); never a row of its own
+    versions = [row.get("t") for row in found.rows if "gradwatch/findings/path" in row]
+    assert versions == [0, 700, None]
+    assert [row["_step"] for row in found.rows] == list(range(len(sent) + 1))
     table = found.table("gradwatch/findings")
     assert [(r["kind"], r["step"], r["repeats"]) for r in table] == [
         ("nonfinite", 3, 3), ("nonfinite", 4, 1), ("exploding", 5, 1), ("vanishing", 6, 1), ("nonfinite", 9, 1),
@@ -262,8 +267,9 @@ def test_two_models_in_one_wandb_run_by_prefix(offline: Path) -> None:
         gw.watcher(model).close()
     run.finish()
     (found,) = offline_runs(offline)
-    for prefix in ("encoder", "decoder"):
-        assert [r[f"{prefix}/step"] for r in found.rows if f"{prefix}/global/loss" in r] == list(range(STEPS))
+    for prefix in ("encoder", "decoder"):  # in the user's run: steps of each model merged into its rows
+        steps = [r[f"{prefix}/step"] for r in found.rows if f"{prefix}/global/loss" in r]
+        assert steps == sorted(set(steps)) and NAN_STEP in steps and set(steps) <= set(range(STEPS))
         assert found.summary[f"{prefix}/verdict"] == "fail"
         assert any(m.glob_name == f"{prefix}/*" and m.step_metric == f"{prefix}/step" for m in found.metrics)
     assert found.alerts == []
@@ -364,8 +370,12 @@ def test_the_wandb_example_runs_as_written(example: tuple[Future[subprocess.Comp
     assert done.returncode == 0, done.stderr
     assert "verdict: fail | status: finished" in done.stdout
     (found,) = offline_runs(tmp_path)
-    assert [r["gradwatch/step"] for r in gradwatch_rows(found)] == list(range(150))
-    assert [r["train/step"] for r in found.rows if "train/loss" in r] == list(range(150))
+    steps = [r["gradwatch/step"] for r in gradwatch_rows(found)]  # merged into the user's rows, the NaN step first
+    assert steps == sorted(set(steps)) and 100 in steps and set(steps) <= set(range(150))
+    # the user's rows are W&B's steps 0..149; gradwatch's last step, merged after the user's last row, is the one
+    # row W&B commits as the run finishes
+    assert [r["train/step"] for r in found.rows if "train/step" in r] == list(range(150))
+    assert [r["_step"] for r in found.rows] == list(range(len(found.rows))) and len(found.rows) <= 151
     assert [(r["kind"], r["step"], r["action"]) for r in found.table("gradwatch/findings")][0] == (
         "nonfinite", 100, "skip")
     assert [a.title for a in found.alerts] == ["gradwatch: nonfinite"]

@@ -1,12 +1,18 @@
 """MLflow sink: a run's statistics, findings and verdict in an MLflow run (docs/integrations.md#mlflow).
 
 With the training step as MLflow's step: every step ``gradwatch/global/<name>`` (``grad_norm``,
-``loss``, ``lr``, observed scalars; ``skipped`` = 1 on a skipped step); on sampled and NaN/Inf steps
+``loss``, ``lr``, observed scalars; ``skipped``: 1 on a skipped step, 0 on any other); on sampled and NaN/Inf steps
 (and the flight recorder's copies of other steps) ``gradwatch/<metric>/<layer>``. The tag
 ``gradwatch.worst`` follows the findings; at the end, the findings as the table artifact
 ``gradwatch/findings.json`` and the tags ``gradwatch.verdict`` (``fail`` for an error finding or a
 run that did not finish), ``.status``, ``.steps`` and ``.findings``; ``gradwatch.run`` (the run
 directory) from the start. Layer and scalar names become MLflow-safe keys by :func:`safe_names`.
+
+Resume: a run the sink started keeps its id in the run's metadata (``mlflow_run``); a process that
+resumes the run (``gw.watch(..., resume=True)``) continues that MLflow run (RUNNING again, its
+verdict tags replaced at the end) and tags the restarts (``gradwatch.restarts``, as ``check`` says
+them). MLflow keeps every point logged: a superseded step has the earlier process's point and the
+restart's (the later one is its latest value).
 
 ``mlflow`` is imported when the sink starts. Only the sink's own thread talks to the tracking
 server: the writer thread hands it work and returns, so a slow or dead server never holds the
@@ -34,6 +40,7 @@ import numpy as np
 from gradwatch.errors import ConfigError, GradwatchWarning
 from gradwatch.sinks import tally
 from gradwatch.sinks.sending import Sender
+from gradwatch.store import resume
 from gradwatch.store.findings import Finding, rank
 from gradwatch.store.records import LAYER, StepRecord, present
 from gradwatch.store.verdict import UNFINISHED
@@ -131,6 +138,8 @@ class MLflow:
         #: the MLflow run's id (None until the sink's thread has started a new one)
         self.run_id: str | None = run_id or (active.info.run_id if active is not None else None)
         self.owned = self.run_id is None  # started by the sink, which ends it
+        self._kept, self._restarts = resume.tracker_run(run_dir, "mlflow") if self.owned else (None, [])
+        self._nonfinite: set[str] = set()  # the NaN/Inf count keys last written non-zero
         self._dir, self._experiment, self._run_name = run_dir, experiment, run_name or run_dir.name
         self._metrics = None if layer_metrics is None else frozenset(layer_metrics)
         self._timeout, self._backlog = float(timeout), backlog
@@ -157,8 +166,7 @@ class MLflow:
             ms = int(rec.time * 1000)
             if not rec.flight:
                 points += [(self._global(name), float(value), ms, rec.step) for name, value in rec.scalars.items()]
-                if rec.skipped:
-                    points.append((self._global("skipped"), 1.0, ms, rec.step))
+                points.append((self._global("skipped"), 1.0 if rec.skipped else 0.0, ms, rec.step))
                 self._steps = max(self._steps, rec.step + 1)
             # per-layer series: sampled steps and NaN/Inf steps when they come; a flight-recorder copy of any
             # other step when a finding fires (a copy of one of the former would repeat it)
@@ -238,11 +246,16 @@ class MLflow:
             if scope != LAYER or (self._metrics is not None and metric not in self._metrics):
                 continue
             shown = present(rec, scope, metric)
-            if metric == "grad_nonfinite":
-                shown &= vec != 0  # a flat zero series per layer is noise; the store keeps it
+            found = self._layer_keys(rec, metric)
+            if metric == "grad_nonfinite":  # a flat zero series per layer is noise (the store keeps it): a
+                # layer's count is written where not 0, and as 0 where it was not 0 when last written
+                back = shown & (vec == 0) & np.isin(found, list(self._nonfinite))
+                self._nonfinite.difference_update(found[back].tolist())
+                self._nonfinite.update(found[shown & (vec != 0)].tolist())
+                shown &= (vec != 0) | back
             index = np.flatnonzero(shown)
             if len(index):
-                keys = self._layer_keys(rec, metric)[index].tolist()
+                keys = found[index].tolist()
                 points += [(key, value, ms, rec.step) for key, value in zip(keys, vec[index].tolist())]
 
     def _layer_keys(self, rec: StepRecord, metric: str) -> np.ndarray:
@@ -262,6 +275,13 @@ class MLflow:
         if not self.owned:
             self._client.set_tag(self.run_id, *next(iter(tags.items())))
             return
+        if self._kept is not None and self._restarts:  # this process resumed the run: its MLflow run goes on
+            self.run_id = self._kept
+            self._client.update_run(self.run_id, status="RUNNING")
+            self._client.set_tag(self.run_id, f"{self._tag}.restarts", json.dumps(self._restarts)[:MAX_TAG])
+            log.warning("gradwatch: the mlflow sink continues the run's own MLflow run (id %s, at %s) from step %d",
+                        self.run_id, self.tracking_uri, self._restarts[-1]["step"])
+            return
         if self._experiment is None:
             from mlflow.tracking import fluent
 
@@ -271,6 +291,11 @@ class MLflow:
             experiment = found.experiment_id if found else self._client.create_experiment(self._experiment)
         run = self._client.create_run(experiment, run_name=self._run_name, tags=tags)
         self.run_id = run.info.run_id
+        try:
+            resume.keep_tracker_run(self._dir, "mlflow", self.run_id)
+        except Exception as exc:  # noqa: BLE001 - a store that cannot take it: only a later resume misses it
+            log.warning("gradwatch: the MLflow run's id could not be kept in the run %s (%s): a resumed run will "
+                        "start another MLflow run", self._dir, exc)
         log.warning("gradwatch: no MLflow run was active, so the mlflow sink started one (%r, id %s, experiment %s, "
                     "at %s); it ends with the gradwatch run. Call mlflow.start_run() before gw.watch to log into "
                     "your own run.", run.info.run_name, self.run_id, experiment, self.tracking_uri)

@@ -3,8 +3,8 @@
 ``gw.watch(model, sinks=["wandb"])`` (or ``sinks = ["wandb"]`` in a config file) writes, from the
 writer thread:
 
-- every step, one history row: ``gradwatch/step`` and the global series ``gradwatch/global/<name>``
-  (``grad_norm``, ``loss``, ``lr`` and any observed scalar; ``skipped`` on a skipped step);
+- every step: ``gradwatch/step`` and the global series ``gradwatch/global/<name>`` (``grad_norm``,
+  ``loss``, ``lr`` and any observed scalar; ``skipped``: 1 on a skipped step, 0 on any other);
 - on sampled steps (and the steps the flight recorder sends when a finding fires, and a step with
   NaN/Inf gradients) also ``gradwatch/<metric>/<layer>`` for every per-layer statistic;
 - every finding as a row of the ``gradwatch/findings`` table (kind, severity, layer, step, action,
@@ -16,10 +16,17 @@ writer thread:
   ``gradwatch/worst``, ``gradwatch/counts`` and ``gradwatch/run`` (the run directory).
 
 The step axis: ``gradwatch/*`` is declared with ``define_metric(..., step_metric="gradwatch/step")``,
-so every gradwatch chart is drawn against the training step, and ``wandb.log`` is never given
-``step=``: the writer thread runs behind training, and a ``step=`` behind the run's current step is
-dropped by W&B, as a user's own would be behind gradwatch's. W&B's own row counter (``_step``) is
-shared by everyone who logs; see docs/integrations.md for what that means for a user's own logging.
+so every gradwatch chart is drawn against the training step, and gradwatch never advances W&B's own
+row counter (``_step``) in a run it did not start: in the user's run it merges one step of each writer
+batch into the user's next row (``commit=False``): the newest skipped or NaN/Inf step, else the newest
+with per-layer values, else the newest (the run store has every step). A run the sink started is
+gradwatch's alone: there ``_step`` is the training step (``log(step=)``), every step a row.
+
+Resume: a run the sink started keeps its id in the run's metadata (``wandb_run``); a process that
+resumes the run (``gw.watch(..., resume=True)``) continues that W&B run, rewound to the restart
+step (``wandb.init(resume_from="<id>?_step=<step - 1>")``, W&B's own semantics for the superseded
+steps; ``id=``, ``resume="allow"`` where rewinding is not available, and then the superseded steps
+are not logged again). The summary's ``gradwatch/restarts`` marks the restarts as ``check`` does.
 
 ``wandb`` is imported when the sink starts: without it, ``gw.watch`` fails with one line saying
 how to install it. With no active run, the sink starts one (``wandb.init(name=<run dir name>,
@@ -29,6 +36,7 @@ user started is left open for the user to finish.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -40,6 +48,7 @@ import numpy as np
 
 from gradwatch.errors import ConfigError
 from gradwatch.sinks import tally
+from gradwatch.store import resume
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import LAYER, StepRecord, present
 from gradwatch.store.verdict import UNFINISHED
@@ -105,12 +114,11 @@ class Wandb:
         self._metrics = None if layer_metrics is None else frozenset(layer_metrics)
         self._alerts = alerts
         self.owned = wandb.run is None
+        kept, self._restarts = resume.tracker_run(run_dir, "wandb")
         self.run: Any
+        self._at = 0  # a run of its own: the W&B step of the row being written (rows behind it are dropped)
         if self.owned:
-            self.run = wandb.init(**{"name": run_dir.name, **(init or {})})
-            log.warning("gradwatch: no W&B run was active, so the wandb sink started one (%s, %s); it ends with "
-                        "the gradwatch run. Call wandb.init() before gw.watch to log into your own run.",
-                        self.run.name, self.run.url or f"offline, in {Path(self.run.dir).parent}")
+            self.run = self._init(wandb, run_dir, dict(init or {}), kept)
         else:
             self.run = wandb.run
         self._name = self.run.name
@@ -119,6 +127,7 @@ class Wandb:
         self._keys: dict[tuple[int, str], np.ndarray] = {}  # (layout version, metric) -> key per layer
         self._globals: dict[str, str] = {}
         self._last_step = -1
+        self._nonfinite: set[str] = set()  # the NaN/Inf count keys last written non-zero
         self._findings: dict[object, Finding] = {}  # by id: the latest version of each
         self._table_due = False
         self._table_at = -math.inf  # now() of the last table logged
@@ -127,20 +136,33 @@ class Wandb:
 
     # ---------------------------------------------------------------- sink
     def write(self, records: Sequence[StepRecord]) -> None:
-        """One history row per record: its global series, and its per-layer ones where written."""
+        """The records' rows: their global series, and their per-layer ones where written (see the module)."""
+        rows: list[tuple[int, int, dict[str, Any]]] = []  # rank (2: a skip or NaN/Inf, 1: per-layer values), step, row
         for rec in records:
             row: dict[str, Any] = {self._step_key: rec.step}
             if not rec.flight:
                 row.update((self._global(name), value) for name, value in rec.scalars.items())
-                if rec.skipped:
-                    row[self._global("skipped")] = 1.0
+                row[self._global("skipped")] = 1.0 if rec.skipped else 0.0
             # per-layer series: sampled steps and NaN/Inf steps when they come; a flight-recorder copy of any
             # other step when a finding fires (a copy of one of the former would repeat it)
             first = rec.sampled or not rec.gradients_finite()
+            size = len(row)
             if (first and not rec.flight) or (rec.flight and not first):
                 self._layers(rec, row)
-            if len(row) > 1 and self._log(row):
-                self._last_step = max(self._last_step, rec.step)
+            if len(row) > 1:
+                rank = 2 if not rec.flight and (rec.skipped or not rec.gradients_finite()) else int(len(row) > size)
+                rows.append((rank, rec.step, row))
+        if self.owned:
+            for _, step, row in rows:
+                if step >= self._at and self._log(row, step=step):
+                    self._at = step
+                    self._last_step = max(self._last_step, step)
+        elif rows:
+            # one row merged into the user's next one: the newest of a skipped or NaN/Inf step, else the newest with
+            # per-layer values, else the newest
+            top = max(rank for rank, _, _ in rows)
+            if self._log([row for rank, _, row in rows if rank == top][-1], commit=False):
+                self._last_step = max(self._last_step, rows[-1][1])
         if self._table_due and now() - self._table_at >= self._table_every:
             self._log_table()
 
@@ -161,7 +183,10 @@ class Wandb:
             self._log_table()
         if not self._gone:
             try:
-                self.run.summary.update(self.verdict(status))
+                summary = self.verdict(status)
+                if self._restarts:
+                    summary[f"{self._prefix}/restarts"] = self._restarts
+                self.run.summary.update(summary)
             except self._wandb.errors.UsageError:
                 self._finished_under()
         if self.owned and not self._gone:
@@ -188,11 +213,16 @@ class Wandb:
             if scope != LAYER or (self._metrics is not None and metric not in self._metrics):
                 continue
             shown = present(rec, scope, metric)
-            if metric == "grad_nonfinite":
-                shown &= vec != 0  # a flat zero series per layer is noise; the store keeps it
+            keys = self._layer_keys(rec, metric)
+            if metric == "grad_nonfinite":  # a flat zero series per layer is noise (the store keeps it): a
+                # layer's count is written where not 0, and as 0 where it was not 0 when last written
+                back = shown & (vec == 0) & np.isin(keys, list(self._nonfinite))
+                self._nonfinite.difference_update(keys[back].tolist())
+                self._nonfinite.update(keys[shown & (vec != 0)].tolist())
+                shown &= (vec != 0) | back
             index = np.flatnonzero(shown)
             if len(index):
-                row.update(zip(self._layer_keys(rec, metric)[index].tolist(), vec[index].tolist()))
+                row.update(zip(keys[index].tolist(), vec[index].tolist()))
 
     def _layer_keys(self, rec: StepRecord, metric: str) -> np.ndarray:
         found = self._keys.get((rec.layout.version, metric))
@@ -201,16 +231,45 @@ class Wandb:
                 [f"{self._prefix}/{metric}/{layer}" for layer in rec.layout.layers], dtype=object)
         return found
 
-    def _log(self, row: dict[str, Any]) -> bool:
-        """``run.log(row)`` (never ``step=``: see the module's docstring); False once the run was finished."""
+    def _log(self, row: dict[str, Any], **how: Any) -> bool:
+        """``run.log(row, **how)``; False once the run was finished under the sink."""
         if self._gone:
             return False
         try:
-            self.run.log(row)
+            self.run.log(row, **how)
         except self._wandb.errors.UsageError:
             self._finished_under()
             return False
         return True
+
+    def _init(self, wandb: Any, run_dir: Path, init: dict[str, Any], kept: str | None) -> Any:
+        """Start the sink's own run: the one the run's metadata keeps when this process resumed the run."""
+        said = "started one"
+        if kept is not None and self._restarts and not {"id", "resume", "resume_from", "fork_from"} & set(init):
+            step = self._at = self._restarts[-1]["step"]
+            said = f"continued the run's own ({kept}) from step {step}"
+            if step > 0 and "resume_from" in inspect.signature(wandb.init).parameters:
+                try:  # W&B's rewind: the history from the restart step on is the restart's
+                    run = wandb.init(**{"name": run_dir.name, **init, "resume_from": f"{kept}?_step={step - 1}"})
+                except Exception as exc:  # a server without rewind: the superseded steps are not logged again
+                    log.warning("gradwatch: W&B could not rewind run %s to step %d (%s); it continues it instead, "
+                                "from its last step", kept, step, exc)
+                else:
+                    return self._started(run, run_dir, said)
+            init = {**init, "id": kept, "resume": "allow"}
+        return self._started(wandb.init(**{"name": run_dir.name, **init}), run_dir, said)
+
+    def _started(self, run: Any, run_dir: Path, said: str) -> Any:
+        try:
+            resume.keep_tracker_run(run_dir, "wandb", run.id)
+        except Exception as exc:  # noqa: BLE001 - a store that cannot take it: only a later resume misses it
+            log.warning("gradwatch: the W&B run's id could not be kept in the run %s (%s): a resumed run will "
+                        "start another W&B run", run_dir, exc)
+        self._at = max(self._at, int(getattr(run, "starting_step", 0) or 0))
+        log.warning("gradwatch: no W&B run was active, so the wandb sink %s (%s, %s); it ends with the gradwatch "
+                    "run. Call wandb.init() before gw.watch to log into your own run.", said, run.name,
+                    run.url or f"offline, in {Path(run.dir).parent}")
+        return run
 
     def _finished_under(self) -> None:
         if not self._gone:
@@ -225,8 +284,7 @@ class Wandb:
         data = [[f.kind, f.severity, f.layer, f.step, f.action, f.message, int(f.data.get("repeats", 1))]
                 for f in rows]
         table = self._wandb.Table(columns=list(COLUMNS), data=data)
-        step = max(self._last_step, max((f.step for f in rows), default=0))
-        self._log({f"{self._prefix}/findings": table, self._step_key: step})
+        self._log({f"{self._prefix}/findings": table}, commit=False)  # into the row being written
         self._table_due, self._table_at = False, now()
 
     def _alert(self, f: Finding) -> None:

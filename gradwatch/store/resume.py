@@ -15,6 +15,7 @@ need no migration: the tables are created by the first restart.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sqlite3
 import time
@@ -239,3 +240,38 @@ def _list(text: str) -> list[Any]:
     except ValueError:
         return []
     return value if isinstance(value, list) else []
+
+
+def tracker_run(run_dir: Path, tracker: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """What a remote tracker's sink (``wandb``, ``mlflow``) needs to continue its run in a resumed run.
+
+    Returns:
+        The id of the tracker's run that the run's metadata keeps (``<tracker>_run``; None: none kept),
+        and the run's restarts (``restart``, ``step``, ``superseded``, ``previous_status``, in order)
+        when the latest is this process's own (empty when this process did not resume the run, or no
+        run store can be read there).
+    """
+    try:
+        conn = sqlite3.connect(f"{(run_dir / DB_NAME).resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
+        try:
+            found = conn.execute("SELECT value FROM meta WHERE key = ?", (f"{tracker}_run",)).fetchone()
+            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            rows = conn.execute("SELECT restart, step, superseded, previous_status, pid FROM restarts ORDER BY "
+                                "restart").fetchall() if "restarts" in tables else []
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None, []
+    run_id = json.loads(found[0]) if found else None
+    restarts = [dict(zip(("restart", "step", "superseded", "previous_status"), row[:4])) for row in rows]
+    ours = bool(rows) and rows[-1][4] == os.getpid()  # the latest restart is this process's own
+    return (run_id if isinstance(run_id, str) else None), (restarts if ours else [])
+
+
+def keep_tracker_run(run_dir: Path, tracker: str, run_id: str) -> None:
+    """Keep the id of the tracker's run in the run's metadata (``<tracker>_run``), for a later resume."""
+    conn = _connect(run_dir / DB_NAME)
+    try:
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (f"{tracker}_run", json.dumps(run_id)))
+    finally:
+        conn.close()
