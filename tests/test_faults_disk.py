@@ -29,6 +29,7 @@ from torch import nn
 import gradwatch as gw
 from gradwatch.sinks import store as store_sink
 from gradwatch.store import writer as store_writer
+from gradwatch.store.reserve import RESERVE
 from gradwatch.store.writer import StoreWriter, create_store
 
 #: the steps whose batch is scaled up: each gives an ``exploding`` and/or a ``loss_spike`` finding
@@ -287,3 +288,73 @@ def test_a_disk_still_full_at_the_end_says_what_it_could_not_write(tmp_path: Pat
     assert steps < STEPS
     _, out, _ = _check_json(run)  # the status could not be written: never a false 'finished' ('crashed' once
     assert out["status"] == "running" and out["steps"] == steps, out  # its writer, this process, has ended)
+
+
+# ------------------------------------------------- full until the end: the final status all the same
+class _Reserved(_Filling):
+    """A disk full while ``_Disk.full`` and the run's reserve file is there: freeing it makes room, as
+    freeing a real file's blocks does."""
+
+    def __init__(self, conn: sqlite3.Connection, run_dir: Path) -> None:
+        super().__init__(conn)
+        self._reserve = run_dir / RESERVE
+
+    def _fail(self, sql: str) -> None:
+        if self._reserve.exists():
+            super()._fail(sql)
+
+
+@pytest.fixture
+def filling_but_reserved(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_Disk]]:
+    real = store_writer._connect
+    monkeypatch.setattr(store_writer, "_connect", lambda path: _Reserved(real(path), Path(path).parent))
+    _Disk.full = False
+    yield _Disk
+    _Disk.full = False
+
+
+def _still_full_at_the_end_reads_incomplete(run: Path, told: list[warnings.WarningMessage]) -> None:
+    """The run's final status and verdict are written, ``check`` says incomplete (not crashed), nothing is left over."""
+    assert [type(w.message) for w in told] == [gw.DiskFullWarning, gw.DiskFullWarning], told
+    end = str(told[1].message)
+    assert "still full at its end" in end and "final status ('finished') is written" in end, end
+    assert "the run is incomplete" in end and "crashed" not in end, end
+    with gw.open_run(run) as r:
+        assert r.status == "finished", r.status
+        gap, steps = r.incomplete, r.steps
+    assert gap is not None and gap["reason"] == "disk full" and gap["missing_steps"] > 0 and steps < STEPS
+    assert json.loads((run / "verdict.json").read_text())["status"] == "finished"
+    assert not (run / RESERVE).exists(), "the reserve is never left behind"
+    code, out, text = _check_json(run)
+    assert out["status"] == "finished" and out["incomplete"] == gap and out["steps"] == steps, out
+    assert f"finished, incomplete: {gap['missing_steps']} steps missing (disk full)" in text, text
+    assert "crashed" not in text and code == 0, (code, text)
+
+
+@pytest.mark.slow
+def test_a_disk_full_until_the_end_still_gets_its_final_status(tmp_path: Path,
+                                                               filling_but_reserved: type[_Disk]) -> None:
+    run = tmp_path / "run"
+    told = _train(run, _window(250, STEPS + 1), tensorboard=False)
+    _still_full_at_the_end_reads_incomplete(run, told)
+
+
+@pytest.mark.slow
+def test_a_real_filesystem_full_until_the_end_still_gets_its_final_status(small_disk: Path) -> None:
+    run, filler = small_disk / "run", small_disk / "filler"
+
+    def at_step(step: int, watcher: gw.Watcher) -> None:
+        if step == 250:  # fill the disk to the last block, for good (the store may have filled it already)
+            watcher.flush()
+            try:
+                with open(filler, "wb") as fh:
+                    while True:
+                        fh.write(b"\0" * 4096)
+                        fh.flush()
+            except OSError:
+                pass
+        if step == STEPS - 1:
+            assert os.statvfs(small_disk).f_bavail == 0, "the disk is full at the end"
+
+    told = _train(run, at_step, tensorboard=False)
+    _still_full_at_the_end_reads_incomplete(run, told)

@@ -83,6 +83,8 @@ class Store:
         """Write what is held, then the final status (and what is missing), and close the database."""
         if self._full:
             self._drain()
+        if self._full:  # still full at the end: the room kept for it takes the findings and the final status
+            self._writer.reserve.free()
         for rec, _ in self._records:  # the disk is still full: nothing held can be kept any more
             self._drop(rec.step)
         self._records.clear()
@@ -108,7 +110,14 @@ class Store:
                 + (f"{len(self._findings)} findings were not stored" if self._findings else "its findings are stored")
                 + (f", {missing['missing_steps']} steps are missing" if missing else ""))))
             return
-        if missing is not None:
+        if self._writer.reserve.freed:
+            self._notices.append((DiskFullWarning, (
+                f"gradwatch: the disk under the run {str(self._run)!r} is still full at its end: its final status "
+                f"({status!r}) is written, in the room gradwatch kept for it; "
+                + (f"{len(self._findings)} findings were not stored" if self._findings else "its findings are stored")
+                + (f"; the run is incomplete: {missing['missing_steps']} steps ({_ranges(missing['steps'])}) "
+                   "could not be kept" if missing else ""))))
+        elif missing is not None:
             self._notices.append((DiskFullWarning, (
                 f"gradwatch: the run {str(self._run)!r} is incomplete: {missing['missing_steps']} steps "
                 f"({_ranges(missing['steps'])}) could not be kept while the disk was full (more than "

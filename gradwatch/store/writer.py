@@ -17,6 +17,7 @@ from gradwatch.errors import RunError
 from gradwatch.store import lock as run_lock
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import LAYER, PARAM, Layout, StepRecord, present
+from gradwatch.store.reserve import Reserve
 from gradwatch.store.reuse import claim
 from gradwatch.store.schema import DB_NAME, DDL, SCHEMA_VERSION, pack
 
@@ -122,7 +123,11 @@ def _holds_no_run(db: Path) -> bool:
 
 
 class StoreWriter:
-    """Appends records to a store; used only from the writer thread."""
+    """Appends records to a store; used only from the writer thread.
+
+    It keeps a small reserve file in the run directory while it writes: a disk still full at the run's
+    end frees it (``reserve.free()``) so that the final status is written all the same.
+    """
 
     def __init__(self, db: Path) -> None:
         #: the run's lock, taken by create_store: held until this writer closes
@@ -134,6 +139,7 @@ class StoreWriter:
                 self._lock.release()
             raise
         self._layouts: set[int] = set()
+        self.reserve = Reserve(db.parent)
 
     def write(self, records: Iterable[StepRecord]) -> None:
         """Write a batch of records in one transaction."""
@@ -213,10 +219,18 @@ class StoreWriter:
         Never waits for readers: a reader's open transaction leaves the store in WAL mode (which
         readers handle too) instead of stalling the training process's exit. The connection and
         the run's lock are released also when the status cannot be written (a full disk), whose
-        error is raised.
+        error is raised. A full disk frees the reserve first and tries once more; the reserve is
+        never left behind.
         """
         try:
-            self.set_meta(status=status, finished=time.time(), **meta)
+            try:
+                self.set_meta(status=status, finished=time.time(), **meta)
+            except Exception as exc:
+                if not disk_full(exc) or not self.reserve.free():
+                    raise
+                self.set_meta(status=status, finished=time.time(), **meta)
+            if self.reserve.freed:
+                return  # no room to copy the WAL into the store: it stays in WAL mode (readers handle it)
             try:
                 self._conn.execute("PRAGMA busy_timeout=0")  # from here on, a busy store is left as it is
                 busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
@@ -228,6 +242,7 @@ class StoreWriter:
             try:
                 self._conn.close()
             finally:
+                self.reserve.drop()
                 if self._lock is not None:
                     self._lock.release()
 
