@@ -127,6 +127,11 @@ def check_against_the_store(tracking: Tracking, run_id: str, run_dir: Path, *, p
     # 1 on the skipped step, 0 on every other: its latest value says the last step was not skipped
     assert tracking.history(run_id, f"{prefix}/global/skipped") == {s: float(s == NAN_STEP) for s in range(STEPS)}
     keys = dict(zip(layers, mlflow_sink.safe_names(layers, 200)))
+    # a layer's NaN/Inf count: where not 0, then 0 on the next step written (its latest value says none now)
+    counted = [tracking.history(run_id, f"{prefix}/grad_nonfinite/{keys[layer]}") for layer in layers]
+    counted = [sent for sent in counted if sent]
+    assert counted and all([s for s, v in sent.items() if v] == [NAN_STEP] and sent[max(sent)] == 0.0
+                           and max(sent) > NAN_STEP for sent in counted)
     grad = metrics[metrics["metric"] == "grad_norm"]
     for layer in layers:
         sent = tracking.history(run_id, f"{prefix}/grad_norm/{keys[layer]}")

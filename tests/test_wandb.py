@@ -202,6 +202,25 @@ def test_named_in_pyproject_it_starts_a_run_says_so_and_finishes_it(
 
 
 @pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
+def test_a_run_of_its_own_has_every_step_as_w_and_bs_step_and_latest_values_that_say_the_latest_step(
+        offline: Path) -> None:
+    model, x, y = model_and_data()
+    gw.watch(model, run=offline / "run", console=False, sinks={"wandb": {"init": {"project": "p"}}})
+    train(model, x, y)
+    gw.watcher(model).close()
+    (found,) = offline_runs(offline)
+    # W&B's own step is the training step: one row each, never one of gradwatch's own beside it
+    assert [row["_step"] for row in found.rows] == [row["gradwatch/step"] for row in found.rows] == list(range(STEPS))
+    assert found.series("gradwatch/global/skipped") == {s: float(s == NAN_STEP) for s in range(STEPS)}
+    assert found.summary["gradwatch/global/skipped"] == 0  # the latest step was not skipped
+    # a layer's NaN/Inf count: where not 0, then 0 on the next step written; its summary says none now
+    counted = [found.series(key) for key in {k for row in found.rows for k in row if "/grad_nonfinite/" in k}]
+    assert counted and all([s for s, v in sent.items() if v] == [NAN_STEP] and sent[max(sent)] == 0
+                           and max(sent) > NAN_STEP for sent in counted)
+    assert all(found.summary[key] == 0 for key in found.summary if "/grad_nonfinite/" in key)
+
+
+@pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
 def test_a_run_that_did_not_finish_fails_and_its_own_wandb_run_exits_nonzero(offline: Path) -> None:
     model, x, y = model_and_data()
     gw.watch(model, run=offline / "run", console=False, sinks={"wandb": {"init": {"project": "p"}}})
