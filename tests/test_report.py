@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import OrderedDict
@@ -338,11 +339,14 @@ def test_names_are_escaped_everywhere(runs: dict[str, Path], pages: dict[str, st
     page = Page(html)
     assert not [tag for tag, _ in page.elements if tag in ("img", "iframe", "object", "embed")]
     scripts = [attrs for tag, attrs in page.elements if tag == "script"]
+    bundle = {"type": "application/octet-stream", "id": "plotly-bundle"}
     assert all(a == {} or (a.get("type") == "application/json" and a.get("id", "").startswith("fig-"))
-               for a in scripts), scripts
-    assert len([a for a in scripts if a == {}]) == 2, "plotly.js and the page's own script, nothing else"
+               or {k: a.get(k) for k in bundle} == bundle for a in scripts), scripts
+    assert len([a for a in scripts if a == {}]) == 2, "plotly.js's decoder and the page's own script, nothing else"
     for attrs, body in page.scripts:
-        if attrs:
+        if attrs.get("id") == "plotly-bundle":
+            assert re.fullmatch(r"[A-Za-z0-9+/=]+", body), "base64, nothing else"
+        elif attrs:
             assert "<" not in body and json.loads(body)
     flow = page.figure("flow")
     assert "&lt;img src=x onerror=alert(1)&gt;" in flow["layout"]["xaxis"]["ticktext"]

@@ -59,8 +59,8 @@ def test_report_in_a_browser(browser, run: Path, tmp_path: Path) -> None:  # typ
     # names are text, never markup
     assert page.locator("img").count() == 0
     assert "<script>alert(1)</script>" in page.inner_text(".bar .run")
-    assert page.evaluate("document.querySelectorAll('script').length") == 2 + page.locator(
-        "script[type='application/json']").count()
+    assert page.evaluate("document.querySelectorAll('script').length") == 4 + page.locator(
+        "script[type='application/json']").count(), "plotly.js compressed, its decoder, plotly.js, the page's script"
 
     # sorting the layer table by a header
     def column(n: int) -> list[str]:
@@ -94,6 +94,24 @@ def test_report_in_a_browser(browser, run: Path, tmp_path: Path) -> None:  # typ
     shutil.copyfile(shot, SCREENSHOT)
     assert shot.stat().st_size > 50_000
     assert problems == []
+    page.close()
+
+
+def test_report_decodes_its_plotly_offline(browser, run: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from plotly.offline import get_plotlyjs_version
+
+    report = write(run, tmp_path / "offline.html")
+    page = browser.new_page(viewport={"width": 1360, "height": 900})
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+    fetched: list[str] = []
+    page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+               else (fetched.append(route.request.url), route.abort()))
+    page.goto(report.resolve().as_uri())
+    page.wait_for_selector("#fig-timeline .main-svg")
+    assert page.evaluate("Plotly.version") == get_plotlyjs_version(), "the library decoded in the page is plotly.js"
+    assert page.evaluate("document.getElementById('plotly-bundle').textContent") == "", "its text let go once run"
+    assert fetched == [] and problems == []
     page.close()
 
 

@@ -14,6 +14,7 @@ from markupsafe import Markup
 from gradwatch.encoding import readable
 from gradwatch.files import write_text_atomic
 from gradwatch.report import figures
+from gradwatch.report.bundle import plotly_bundle
 from gradwatch.report.data import Report, collect
 from gradwatch.report.items import MAX_CARDS, Item, card_order
 from gradwatch.report.remedies import explain
@@ -33,13 +34,6 @@ def _environment() -> Environment:
     env.filters["num"] = fmt
     env.filters["sortkey"] = lambda v: "" if v != v else f"{float(v):.6g}"  # no value (NaN) sorts last
     return env
-
-
-@functools.cache  # the 4 MB library, read once
-def _plotly_js() -> Markup:
-    from plotly.offline import get_plotlyjs
-
-    return Markup(get_plotlyjs().replace("</script", "<\\/script"))
 
 
 def _groups(items: list[Item]) -> list[dict[str, Any]]:
@@ -75,7 +69,7 @@ def html(report: Report) -> str:
         ranges=ranges,
         groups=_groups(report.items),
         shown=min(len(report.items), MAX_CARDS),
-        plotly_js=_plotly_js(),
+        plotly=plotly_bundle(),
         generated=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.generated)),
         version=_version(),
     )
