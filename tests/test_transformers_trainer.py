@@ -201,3 +201,18 @@ def test_bad_settings_fail_when_the_callback_is_built(tmp_path: Path) -> None:
     with pytest.raises(gw.ConfigError, match="no_such_option"):
         GradWatchCallback(no_such_option=1)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_learning_rate_too_high_from_step_0_advises_no_restart_from_before_it(tmp_path: Path) -> None:
+    """Issue 35, item 10: no warmup (the Trainer's default), the learning rate too high from the first step:
+    the wrecked-run error said "restart from before step 0", a step no run has."""
+    callback = GradWatchCallback(run=tmp_path / "run", console=False)
+    train(tmp_path, callback, max_steps=40, learning_rate=1.0)
+    with gw.open_run(tmp_path / "run") as run:
+        found = run.findings()
+    lost = found[(found.kind == "learning_rate") & (found.severity == "error")]
+    assert len(lost) == 1 and lost.iloc[0].data["named_at"] == 0, found[["step", "kind", "message"]]
+    message = lost.iloc[0].message
+    assert "named at step 0" in message and "before step 0" not in message, message
+    assert message.endswith("The weights are wrecked: lower the learning rate and train again from the initial "
+                            "weights."), message

@@ -222,8 +222,10 @@ class LearningRate(Detector):
             what = (f"the run has not learned since: the loss is {level:.4g} at step {record.step} (median of the last "
                     f"{LEVEL_LOSSES}), not below where it started ({start:.4g}) {record.step - named} steps later")
         raised = f" (raised at step {since})" if since < named else ""
+        # too high from the run's first step: no earlier step to go back to, only the weights it started from
+        back = f"restart from before step {since}" if since > 0 else "train again from the initial weights"
         message = (f"learning rate too high{by}, named at step {named}{raised}: {what}. The weights are wrecked: "
-                   f"lower the learning rate and restart from before step {since}.")
+                   f"lower the learning rate and {back}.")
         data = {"direction": "high", "evidence": "diverged" if diverged else "no_progress", "named_at": named,
                 "restart_before": since,
                 "loss_level": level, "first": start, "lr": record.scalars.get("lr"), "cause": "learning_rate",
