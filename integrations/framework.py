@@ -9,12 +9,13 @@ loop never needs it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gradwatch.errors import TrainingHalted
+from gradwatch.store.records import LAYER, present
 
 if TYPE_CHECKING:
     from gradwatch.step.control import LoopControl
@@ -90,6 +91,32 @@ class FrameworkAPI:
         self.control.pending_skips -= 1
         self._steps.leave_out = True
         return True
+
+    def step_layers(self, metrics: Iterable[str]) -> tuple[int, bool, dict[str, dict[str, float]]]:
+        """Per-layer values of the step whose moment just passed (:meth:`gradients_ready`), from its host read.
+
+        Nothing is read from the device: the values are the ones the step measured.
+
+        Args:
+            metrics: per-layer metric names (``grad_norm``, ``param_norm``, ``grad_max``, ``act_norm`` ...).
+
+        Returns:
+            ``(step, sampled, {metric: {layer: value}})``: the step, whether it was sampled (its costlier
+            statistics measured), and of each metric measured on it the layers that hold a value (a layer
+            without a gradient holds none; a NaN gradient is a value). ``(-1, False, {})`` when no step is
+            open (a GradScaler's overflow step, a halted step, a closed run).
+        """
+        open_ = self._steps.open
+        if open_ is None or self._steps.closed:
+            return -1, False, {}
+        record = open_.record
+        out: dict[str, dict[str, float]] = {}
+        for metric in metrics:
+            if (LAYER, metric) in record.vectors:
+                values, held = record.vectors[(LAYER, metric)], present(record, LAYER, metric)
+                out[metric] = {name: float(v) for name, v, h in zip(record.layout.layers, values, held, strict=True)
+                               if h}
+        return record.step, record.sampled, out
 
     def _forward_started(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
         """A forward began before the watcher's hooks existed (a model watched from its first forward)."""

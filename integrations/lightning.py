@@ -16,8 +16,10 @@
   step's single host read);
 - a halt sets ``trainer.should_stop`` (the step applies nothing, the reason is logged) instead
   of raising out of ``trainer.fit``;
-- ``gradwatch/grad_norm``, ``gradwatch/warnings`` and ``gradwatch/errors`` go to the Trainer's
-  logger every step, from numbers already read.
+- ``gradwatch/grad_norm``, ``gradwatch/warnings``, ``gradwatch/errors`` (counted as ``gradwatch
+  check`` counts them) and ``gradwatch/repeats`` (their folded repeats) go to the Trainer's logger
+  every step, and ``gradwatch/<metric>/<layer>`` (``layer_metrics``) on the steps gradwatch samples,
+  from numbers already read.
 
 Works with ``lightning.pytorch``, or ``pytorch_lightning`` when only that is installed.
 """
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradwatch.errors import ConfigError
 from gradwatch.integrations._attach import Attachment, loss_scale, unwrap_optimizer
 from gradwatch.watching.ending import described_exception
 
@@ -44,20 +48,28 @@ except ImportError:  # pragma: no cover - the standalone package
             "gradwatch.integrations.lightning needs Lightning: pip install 'gradwatch[lightning]'"
         ) from None
 
-__all__ = ["GradWatchCallback"]
+__all__ = ["LAYER_METRICS", "GradWatchCallback"]
+
+#: the per-layer metrics ``layer_metrics`` may name: those a sampled step has measured at its moment (an
+#: ``update_ratio`` needs the update, read with the next step's: it is in the run, not sent to the logger)
+LAYER_METRICS = ("grad_norm", "grad_max", "grad_nonfinite", "param_norm", "act_norm", "act_zero_frac", "act_sat_frac")
 
 
 class GradWatchCallback(Callback):
     """Watch the LightningModule that a ``Trainer`` fits.
 
-    Takes exactly :func:`gradwatch.watch`'s keyword arguments, checked when the callback is
-    built (a bad rule or option raises :class:`gradwatch.ConfigError` before training starts).
+    Takes exactly :func:`gradwatch.watch`'s keyword arguments, and ``layer_metrics``, checked when the
+    callback is built (a bad rule or option raises :class:`gradwatch.ConfigError` before training starts).
 
     Args:
         run: run directory; default ``runs/<timestamp>-<module class>``.
         rules: ``"default"``, None (record only), a :class:`gradwatch.Rule`, a list, or a
             TOML path, as for :func:`gradwatch.watch`.
         log_every: write per-layer series every this many steps.
+        layer_metrics: the per-layer metrics sent to the Trainer's loggers as
+            ``gradwatch/<metric>/<layer>`` on each step gradwatch samples (every ``sample_every``
+            steps: ``grad_norm`` of every layer by default); ``()`` or None sends none. Names
+            among :data:`LAYER_METRICS`.
         **options: further :func:`gradwatch.watch` options. With ``resume=True`` (and no
             ``start_step``) the run goes on from ``trainer.global_step``, once
             ``fit(ckpt_path=...)`` has restored it.
@@ -69,9 +81,16 @@ class GradWatchCallback(Callback):
     """
 
     def __init__(self, *, run: str | Path | None = None, rules: Any = "default", log_every: int | None = None,
-                 **options: Any) -> None:
+                 layer_metrics: Sequence[str] | None = ("grad_norm",), **options: Any) -> None:
         self._attachment = Attachment(run, rules, log_every, options)
         self._trainer: Trainer | None = None
+        if isinstance(layer_metrics, str):
+            layer_metrics = (layer_metrics,)
+        self._layer_metrics = tuple(dict.fromkeys(layer_metrics or ()))
+        unknown = [m for m in self._layer_metrics if m not in LAYER_METRICS]
+        if unknown:
+            raise ConfigError(f"layer_metrics: {unknown[0]!r} is not a per-layer metric a step measures at its "
+                              f"moment; choose among {', '.join(LAYER_METRICS)}")
 
     @property
     def watcher(self) -> Any:
@@ -139,12 +158,34 @@ class GradWatchCallback(Callback):
         watcher.gradients_ready(unwrap_optimizer(optimizer), scaled=scaler is not None and scaler.is_enabled())
         if attachment.halt is not None:
             trainer.should_stop = True
-        latest, counts = watcher.latest, watcher.findings["counts"]
+        summary = watcher.findings
+        counts, repeats = summary["counts"], summary["repeats"]
         pl_module.log_dict(
-            {
-                "gradwatch/grad_norm": latest.get("grad_norm", math.nan),
-                "gradwatch/warnings": float(counts["warning"]),
-                "gradwatch/errors": float(counts["error"]),
+            {  # findings as ``check`` counts them (one per stored finding); their folded repeats apart
+                "gradwatch/grad_norm": watcher.latest.get("grad_norm", math.nan),
+                "gradwatch/warnings": float(counts["warning"] - repeats["warning"]),
+                "gradwatch/errors": float(counts["error"] - repeats["error"]),
+                "gradwatch/repeats": float(repeats["warning"] + repeats["error"]),
             },
             on_step=True, on_epoch=False, prog_bar=False, logger=bool(trainer.loggers),
         )
+        if self._layer_metrics and trainer.loggers:
+            self._log_layers(trainer, watcher)
+
+    def _log_layers(self, trainer: Trainer, watcher: Any) -> None:
+        """The sampled step's per-layer values, straight to the loggers at the step Lightning logs this batch at.
+
+        Not through ``LightningModule.log``: a value logged on some steps only would be repeated, stale, on
+        the steps Lightning flushes its logs at (``log_every_n_steps``).
+        """
+        _, sampled, values = watcher.step_layers(self._layer_metrics)
+        if not sampled:
+            return
+        metrics = {f"gradwatch/{metric}/{layer}": value for metric, layers in values.items()
+                   for layer, value in layers.items()}
+        if not metrics:
+            return
+        # the step Lightning's own logging of this batch uses (its logger connector's), else the global step
+        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)

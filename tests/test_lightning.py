@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
+from tests.test_check import gradwatch
 
 pytestmark = pytest.mark.slow  # real Lightning Trainer runs
 
@@ -258,3 +260,64 @@ def test_bad_settings_fail_when_the_callback_is_built(tmp_path: Path) -> None:
     with pytest.raises(gw.ConfigError, match="no_such_option"):
         GradWatchCallback(no_such_option=True)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_logger_counts_findings_as_check_does_with_repeats_apart(tmp_path: Path) -> None:
+    """Issue 35, item 4: five NaN batches in a row are one stored ``nonfinite`` error repeated five times;
+    ``gradwatch/errors`` said 5 (every occurrence) where ``check`` reports 1."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(30 * BATCH, 4, generator=g) + 0.5, torch.randn(30 * BATCH, 1, generator=g)
+    for batch in (3, 4, 5, 6, 7):
+        x[batch * BATCH, 0] = -1.0  # log(-1) = NaN in net.0: skipped by the default rules, each step
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    logger = pl.loggers.CSVLogger(tmp_path / "logs", name="", version="")
+    trainer([GradWatchCallback(run=tmp_path / "run", console=False)], max_steps=20, logger=logger,
+            log_every_n_steps=1).fit(Net(), data)
+    checked = json.loads(gradwatch("check", str(tmp_path / "run"), "--format", "json").stdout)
+    nonfinite = [f for f in checked["findings"] if f["kind"] == "nonfinite"]
+    assert [(f["step"], f["severity"], f["repeats"]) for f in nonfinite] == [(3, "error", 5)]
+    with open(tmp_path / "logs" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("gradwatch/errors")]
+    assert len(rows) == 20
+    by_step = {int(r["step"]): r for r in rows}
+    assert by_step[3]["gradwatch/errors"] == by_step[7]["gradwatch/errors"] == "1.0"
+    assert [by_step[s]["gradwatch/repeats"] for s in range(2, 9)] == ["0.0", "0.0", "1.0", "2.0", "3.0", "4.0", "4.0"]
+    last = rows[-1]  # at the end, what check counts
+    for severity, series in (("error", "errors"), ("warning", "warnings")):
+        assert float(last[f"gradwatch/{series}"]) == sum(f["severity"] == severity for f in checked["findings"])
+    assert float(last["gradwatch/repeats"]) == sum(f["repeats"] - 1 for f in checked["findings"]
+                                                  if f["severity"] != "info")
+
+
+def test_per_layer_norms_go_to_the_logger_on_the_sampled_steps(tmp_path: Path) -> None:
+    """Issue 35, item 8: ``gradwatch/grad_norm/<layer>`` on each sampled step, at that step, whatever the
+    Trainer's ``log_every_n_steps`` (a value logged on some steps only would be repeated on its flush steps)."""
+    def fit(name: str, every: int = 50, **kwargs: Any) -> tuple[list[dict[str, str]], Any]:
+        logger = pl.loggers.CSVLogger(tmp_path / name, name="", version="")
+        trainer([GradWatchCallback(run=tmp_path / name / "run", console=False, **kwargs)], max_steps=25,
+                logger=logger, log_every_n_steps=every).fit(Net(), loader(32))  # 50: Lightning's default
+        logged = tmp_path / name / "metrics.csv"  # none while nothing was logged
+        rows = list(csv.DictReader(logged.open())) if logged.exists() else []
+        return rows, gw.open_run(tmp_path / name / "run")
+
+    rows, run = fit("default")
+    layered = [r for r in rows if any(k.startswith("gradwatch/grad_norm/") and v for k, v in r.items())]
+    assert [int(r["step"]) for r in layered] == [0, 10, 20], "the sampled steps, each at its own step"
+    stored = run.metrics("grad_norm").query("layer == layer")  # per layer (the global norm has no layer)
+    for r in layered:
+        at = stored[stored.step == int(r["step"])]
+        expected = {f"gradwatch/grad_norm/{row.layer}": row.value for row in at.itertuples()}
+        assert set(expected) == {"gradwatch/grad_norm/net.1", "gradwatch/grad_norm/net.3"}  # the layers with weights
+        assert {k: float(r[k]) for k in expected} == pytest.approx(expected, rel=1e-6)
+    assert not any(k.startswith("gradwatch/param_norm/") for k in rows[0]), "grad_norm only, by default"
+
+    rows, run = fit("chosen", layer_metrics=["grad_norm", "param_norm"], sample_every=5)
+    param = [r for r in rows if r.get("gradwatch/param_norm/net.1")]
+    assert [int(r["step"]) for r in param] == [0, 5, 10, 15, 20]
+    stored = run.metrics("param_norm").query("layer == 'net.1'").set_index("step").value
+    assert [float(r["gradwatch/param_norm/net.1"]) for r in param] == pytest.approx(stored.tolist(), rel=1e-6)
+
+    rows, _ = fit("off", every=1, layer_metrics=None)
+    assert len(rows) == 25 and not any(k.startswith("gradwatch/grad_norm/") for r in rows for k in r)
+    with pytest.raises(gw.ConfigError, match="update_ratio"):
+        GradWatchCallback(run=tmp_path / "bad", layer_metrics=["update_ratio"])

@@ -55,3 +55,32 @@ def test_hf_trainer_resumes_from_its_checkpoints_global_step(tmp_path: Path) -> 
     with gw.open_run(run) as stored:
         assert [(r["step"], r["superseded"]) for r in stored.restarts] == [(4, 2)]
         assert list(stored.step_info()["step"]) == list(range(9)) and stored.status == "finished"
+
+
+def test_a_resumed_lightning_run_counts_findings_in_its_logger_as_check_does(tmp_path: Path) -> None:
+    """Issue 35, item 4: the stored finding repeated before the restart counts once, its repeats apart."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import csv
+    import json
+
+    from gradwatch.integrations.lightning import GradWatchCallback
+    from tests.test_check import gradwatch
+    from tests.test_lightning import Net, loader, trainer
+
+    run, ckpt = tmp_path / "run", tmp_path / "step5.ckpt"
+    nan_batches = loader(16)
+    for batch in (1, 2, 3):  # one nonfinite error, three occurrences, all before the checkpoint
+        nan_batches.dataset.tensors[0][batch * 4, 0] = -1.0
+    first = trainer([GradWatchCallback(run=run, console=False, resume=True)], max_steps=5)
+    first.fit(Net(), nan_batches)
+    first.save_checkpoint(ckpt)
+    logger = pl.loggers.CSVLogger(tmp_path / "logs", name="", version="")
+    trainer([GradWatchCallback(run=run, console=False, resume=True)], max_steps=10, logger=logger,
+            log_every_n_steps=1).fit(Net(), loader(16), ckpt_path=ckpt)  # clean batches after the restart
+    checked = json.loads(gradwatch("check", str(run), "--format", "json").stdout)
+    assert [(f["step"], f["kind"], f["repeats"]) for f in checked["findings"] if f["severity"] == "error"] == [
+        (1, "nonfinite", 3)]
+    with open(tmp_path / "logs" / "metrics.csv") as f:
+        last = [r for r in csv.DictReader(f) if r.get("gradwatch/errors")][-1]
+    assert int(last["step"]) == 9
+    assert float(last["gradwatch/errors"]) == 1 and float(last["gradwatch/repeats"]) == 2

@@ -62,6 +62,8 @@ class Judge:
         self._console = Console(stderr=True, highlight=False) if options.console else None
         self._deferred: list[Finding] = []
         self.counts: dict[str, int] = {"info": 0, "warning": 0, "error": 0}
+        #: the occurrences among ``counts`` folded into an earlier finding (no row of their own), by severity
+        self.repeats: dict[str, int] = {"info": 0, "warning": 0, "error": 0}
         self.worst: str | None = None
         self.rolls_back = config.rules is not None and any(r.do == "rollback" for r in config.rules)
         self._clips = Clips()  # a clip needed again and again halts (the rule's max_clips)
@@ -105,16 +107,19 @@ class Judge:
             out += found
         return out
 
-    def resume(self, records: Iterable[StepRecord], next_id: int, counts: dict[str, int], worst: str | None) -> int:
+    def resume(self, records: Iterable[StepRecord], next_id: int, counts: dict[str, int], worst: str | None,
+               repeats: dict[str, int] | None = None) -> int:
         """Go on judging a resumed run: the detectors' baselines are primed with the stored steps before
         the restart (``records``, in step order; what they find is dropped: the stored run holds the
-        findings of those steps), finding ids go on from ``next_id``, and the kept findings count.
+        findings of those steps), finding ids go on from ``next_id``, and the kept findings count (``repeats``:
+        their folded occurrences).
 
         Returns:
             how many records primed the detectors.
         """
         self._ids = itertools.count(next_id)
         self.counts, self.worst = {**self.counts, **counts}, worst
+        self.repeats = {**self.repeats, **(repeats or {})}
         primed = 0
         for record in records:
             record.skipped = record.skipped and "grad_norm" not in record.scalars  # as the detectors saw it then
@@ -224,6 +229,8 @@ class Judge:
             if self._fold.admit(f):
                 f.id = next(self._ids)
                 fresh.append(f)
+            else:
+                self.repeats[f.severity] += 1
         if not fresh:
             return fresh
         for old in self._flight:
@@ -265,8 +272,10 @@ class Judge:
         return bound
 
     def summary(self) -> dict[str, Any]:
-        """Counts of findings by severity and the worst severity seen."""
-        return {"counts": dict(self.counts), "worst": self.worst}
+        """Counts of findings by severity (every occurrence), the worst severity seen, and the ``repeats``
+        among the counts: occurrences folded into an earlier finding (``counts - repeats`` is what ``check`` counts).
+        """
+        return {"counts": dict(self.counts), "worst": self.worst, "repeats": dict(self.repeats)}
 
 
 def build_plugin_actions(config: Config) -> dict[str, actions.Action]:

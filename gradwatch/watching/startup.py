@@ -165,7 +165,10 @@ def prime(judge: Judge, out: Outputs, run_dir: Path) -> None:
     try:
         with Run(run_dir) as run:
             records = run.records(steps=slice(max(0, restart.step - PRIME_STEPS), restart.step))
-            primed = judge.resume(records, restart.next_finding, restart.counts, restart.worst)
+            repeats = {"info": 0, "warning": 0, "error": 0}  # the kept findings' folded occurrences
+            for severity, data in run.findings()[["severity", "data"]].itertuples(index=False):
+                repeats[severity] = repeats.get(severity, 0) + max(int(data.get("repeats", 1)), 1) - 1
+            primed = judge.resume(records, restart.next_finding, restart.counts, restart.worst, repeats)
     except Exception as exc:  # a stored history that cannot be read: the detectors warm up afresh, training goes on
         judge.resume([], restart.next_finding, restart.counts, restart.worst)
         warnings.warn(f"gradwatch: the steps stored before step {restart.step} of run {str(run_dir)!r} could not be "
