@@ -21,7 +21,7 @@ from gradwatch.store.findings import KINDS, SEVERITIES, Finding, rank
 REQUIRED = object()
 ACTIONS: dict[str, dict[str, tuple[type, Any]]] = {
     "warn": {},
-    "clip": {"max_norm": (float, None)},
+    "clip": {"max_norm": (float, None), "max_clips": (int, 0), "within": (int, 100)},
     "skip": {"max_consecutive": (int, 20), "skip_samples": (bool, False)},
     "rollback": {"skip_batches": (int, 0), "lr_scale": (float, 1.0), "max_rollbacks": (int, 3),
                  "skip_samples": (bool, False)},
@@ -46,7 +46,9 @@ class Rule:
         layer: only findings whose layer matches this glob (e.g. ``"encoder.*"``).
         above: only findings whose value is above this number.
         below: only findings whose value is below this number.
-        **params: the action's parameters: ``clip``: ``max_norm`` (omit for adaptive);
+        **params: the action's parameters: ``clip``: ``max_norm`` (omit for adaptive), ``max_clips``
+            and ``within`` (halt when the rule has clipped more than ``max_clips`` steps among the last
+            ``within``: clipping bounds each update, not the cause; 0 never);
             ``skip``: ``max_consecutive`` (halt after that many skipped steps in a row, 0 never);
             ``rollback``: ``skip_batches``, ``lr_scale``, ``max_rollbacks``; ``skip`` and
             ``rollback``: ``skip_samples`` (leave the samples the finding blames out of the batches
@@ -220,9 +222,16 @@ def parse(rules: Sequence[Any], where: str) -> list[Rule]:
     return out
 
 
+#: the default rules' escalation of a clip: more than this many clipped steps among the last ``CLIP_WINDOW`` halt
+MAX_CLIPS, CLIP_WINDOW = 20, 100
+
 DEFAULT_RULES: tuple[Rule, ...] = (
     Rule(when="nonfinite", do="skip", severity="error"),  # a NaN that reached no update is a warning
-    Rule(when="exploding", do="clip"),
+    # the run the learning rate wrecked (diverged or never learned since it was named): its weights, and any
+    # snapshot of them, are lost; training on burns the budget, so stop, naming the step to restart from
+    Rule(when="learning_rate", do="halt", severity="error"),
+    # an explosion clipped again and again is systematic: clipping bounds each update, not the cause
+    Rule(when="exploding", do="clip", max_clips=MAX_CLIPS, within=CLIP_WINDOW),
 )
 
 

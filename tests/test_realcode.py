@@ -19,7 +19,19 @@ import torch
 import gradwatch as gw
 
 from . import pool
-from .realcode import Result, gpt, hf_trainer, lstm_lm, reinforce, resnet, says, train, unwatched_aside, vae
+from .realcode import (
+    PAST_THE_HALT,
+    Result,
+    gpt,
+    hf_trainer,
+    lstm_lm,
+    reinforce,
+    resnet,
+    says,
+    train,
+    unwatched_aside,
+    vae,
+)
 
 # the real-code zoo: real models and training loops, several seconds each (one thread: small models on a shared machine)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -95,7 +107,7 @@ def test_gpt_lr_100x_is_named_at_step_0(tmp_path: Path) -> None:
 def test_gpt_lr_1000x_diverging_is_named_at_step_0(tmp_path: Path) -> None:
     """Before: nothing. The loss diverges from step 2 (4.1 -> 8.2): the same cause, not a second
     finding; a later explosion of the norm before clipping is still found (and clipped), tied to it."""
-    result = train(gpt, tmp_path / "run", lr_scale=1000)
+    result = train(gpt, tmp_path / "run", lr_scale=1000, watch=PAST_THE_HALT)
     assert max(result.losses[:6]) > 1.9 * result.losses[0]
     found = loud(result)
     assert summary(found[:1]) == [("learning_rate", 0, "transformer.h.0.attn.c_proj")]
@@ -117,7 +129,7 @@ def test_gpt_lr_far_too_low_is_named(tmp_path: Path) -> None:
 
 
 def test_resnet_lr_100x_is_named_at_step_0(tmp_path: Path) -> None:
-    result = train(resnet, tmp_path / "run", lr_scale=100)
+    result = train(resnet, tmp_path / "run", lr_scale=100, watch=PAST_THE_HALT)
     found = loud(result)
     assert summary(found) == [("learning_rate", 0, "layer1.0.conv1"), ("learning_rate", 20, "layer1.0.conv1")]
     assert "learning rate too high for layer1.0.conv1 (Conv2d): update is 3.5x the weights" in found[0]["message"]
@@ -136,7 +148,7 @@ def test_resnet_lr_far_too_low_is_one_finding(tmp_path: Path) -> None:
 
 
 def test_word_lm_lr_100x_is_named_at_step_0(tmp_path: Path) -> None:
-    found = loud(train(lstm_lm, tmp_path / "run", optimizer="sgd", lr_scale=100))
+    found = loud(train(lstm_lm, tmp_path / "run", optimizer="sgd", lr_scale=100, watch=PAST_THE_HALT))
     assert summary(found)[0] == ("learning_rate", 0, "decoder")
     assert "update is 64x the weights at step 0" in found[0]["message"]
     assert (summary(found)[1], found[1]["severity"]) == (("learning_rate", 10, "decoder"), "error")  # diverged

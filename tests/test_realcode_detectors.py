@@ -24,7 +24,7 @@ from gradwatch.detectors.vanishing import Vanishing
 from gradwatch.detectors.zero_gradient import ZeroGradient
 from gradwatch.store.records import CLOSURE_EVALUATIONS, LAYER, PARAM, Layout, StepRecord
 
-from .realcode import gpt, reinforce, resnet
+from .realcode import PAST_THE_HALT, gpt, reinforce, resnet
 
 
 def layout(layers: dict[str, int]) -> Layout:
@@ -253,7 +253,7 @@ def test_unused_layers_are_grouped_by_where_they_sit(unused: list[str], expected
 @pytest.mark.slow  # real models and training loops, several seconds each
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(("script", "config"), [
-    (gpt, {"lr_scale": 1000, "max_iters": 30}),
+    (gpt, {"lr_scale": 1000, "max_iters": 30, "watch": PAST_THE_HALT}),
     (resnet, {"dead_block": "layer1.0", "steps": 25}),
     (resnet, {"frozen_bn": True, "steps": 25}),
     (reinforce, {"dead_bias": -100.0, "episodes": 25}),
@@ -278,7 +278,7 @@ def _warmup_cosine_loop(run: Path, raise_at: int | None) -> None:
     total, warm = 120, 20
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + np.cos(np.pi * (s - warm) / (total - warm))))
-    gw.watch(model, run=run, console=False)
+    gw.watch(model, run=run, console=False, **PAST_THE_HALT)  # followed past the wrecked run's error
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(16, 1, generator=gen)
     for step in range(total):
@@ -388,7 +388,7 @@ def test_the_wrecked_runs_error_sends_the_restart_to_before_the_raise_not_to_a_l
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
-    gw.watch(model, run=tmp_path / "run", console=False)
+    gw.watch(model, run=tmp_path / "run", console=False, **PAST_THE_HALT)  # followed past the error
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
     x_all = torch.randn(4096, 20, generator=gen)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from .realcode import Result, bert_finetune, cnn, lstm_lm, says, train
+from .realcode import PAST_THE_HALT, Result, bert_finetune, cnn, lstm_lm, says, train
 
 # real models and training loops, a few seconds each (one thread: small models on a shared machine)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -71,7 +71,7 @@ def test_full_fine_tuning_at_lr_1e_2_is_a_learning_rate_too_high_then_an_error(t
     """lr 1e-2 instead of 5e-5: half the weights move by 5e-2 a step (the healthy run: ~5e-4), the loss
     first falls, then the classifier collapses to one class and the loss sits near ln 2. Before:
     nothing but a saturated tanh at step 30, and ``check`` passed."""
-    result = train(bert_finetune, tmp_path / "run", learning_rate=1e-2)
+    result = train(bert_finetune, tmp_path / "run", learning_rate=1e-2, watch=PAST_THE_HALT)
     assert result.extra["accuracy"] <= 0.6, "collapsed: one class"
     found = [f for f in loud(result) if f["kind"] == "learning_rate"]
     layer = "bert.encoder.layer.1.intermediate.dense"
@@ -115,7 +115,7 @@ def test_lora_adapters_left_out_of_the_optimizer_are_named_at_step_0(tmp_path: P
 def test_a_cnn_wrecked_by_lr_10_fails_the_default_gate(tmp_path: Path) -> None:
     """AdamW + OneCycleLR + clip_grad_norm_ at lr 10: named at step 0, then the loss climbs to the
     hundreds and the accuracy is chance. Before: every finding a warning, ``check`` exited 0."""
-    result = train(cnn, tmp_path / "run", lr=10.0)
+    result = train(cnn, tmp_path / "run", lr=10.0, watch=PAST_THE_HALT)
     assert max(result.losses) > 100 and result.extra["accuracy"] < 0.2
     found = [f for f in loud(result) if f["kind"] == "learning_rate"]
     assert summary(found) == [("learning_rate", 0, "fc1", "warning"), ("learning_rate", 10, "fc1", "error")]

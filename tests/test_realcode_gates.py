@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from . import pool
-from .realcode import check, controlnet, deit3, dit, lora, loud, summary, train, unwatched_aside
+from .realcode import PAST_THE_HALT, check, controlnet, deit3, dit, lora, loud, summary, train, unwatched_aside
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,7 +57,7 @@ def test_healthy_runs_of_250_steps_are_quiet_and_bit_identical(name: str, tmp_pa
 # ------------------------------------------------------------------------------------- plants
 def test_dit_lr_1000x_diverges_and_is_failed_as_a_too_high_learning_rate(tmp_path: Path) -> None:
     """At 100x (1e-2) this small DiT still learns; at 1000x its loss climbs from step 4."""
-    found = loud(train(dit, tmp_path / "run", steps=32, lr_scale=1000))
+    found = loud(train(dit, tmp_path / "run", steps=32, lr_scale=1000, watch=PAST_THE_HALT))
     # the steps at which a climbing loss is seen depend on the trajectory (CPUs, threads, library versions):
     # a warning within the first 10 steps, and the learning rate failed as an error on a later sampled step
     assert found and found[0]["severity"] == "warning" and found[0]["step"] <= 10, summary(found)
@@ -90,7 +90,7 @@ def test_lora_lr_1000x_is_named_at_step_10(tmp_path: Path) -> None:
 
 
 def test_deit3_lr_100x_is_named_then_failed_as_a_run_that_never_learned(tmp_path: Path) -> None:
-    found = loud(train(deit3, tmp_path / "run", steps=32, lr_scale=100))
+    found = loud(train(deit3, tmp_path / "run", steps=32, lr_scale=100, watch=PAST_THE_HALT))
     assert summary(found) == [("learning_rate", 10, "(root)", "warning"), ("learning_rate", 30, "(root)", "error")]
     assert found[1]["data"]["evidence"] == "no_progress"
     assert check(tmp_path / "run")[0] == 1

@@ -17,7 +17,7 @@ import pytest
 import gradwatch as gw
 
 from . import pool
-from .realcode import dcgan, ddpm, unwatched_aside
+from .realcode import PAST_THE_HALT, dcgan, ddpm, unwatched_aside
 
 # real models and training loops, a few seconds each (one thread: small models on a shared machine)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -56,7 +56,7 @@ def test_healthy_dcgan_is_quiet_and_bit_identical(tmp_path: Path, real_label: fl
 def test_a_discriminator_learning_rate_100x_too_high_is_named_at_step_0(tmp_path: Path) -> None:
     """lr 2e-2 for the discriminator (2e-4 meant): its first update rewrites its weights; the
     generator's loss, which the wrecked discriminator decides, runs away from step 1 on."""
-    result = dcgan.train(dcgan.Config(run=tmp_path / "run", lr_d_scale=100))
+    result = dcgan.train(dcgan.Config(run=tmp_path / "run", lr_d_scale=100, watch=PAST_THE_HALT))
     disc = loud(tmp_path / "run" / "D")
     assert summary(disc)[0] == ("learning_rate", 0, "main.5")
     assert disc[0]["data"]["direction"] == "high"

@@ -14,7 +14,7 @@ import torch
 
 import gradwatch as gw
 
-from .realcode import Result, gpt, lstm_lm, train, vae
+from .realcode import PAST_THE_HALT, Result, gpt, lstm_lm, train, vae
 
 # the real-code zoo: real models and training loops, several seconds each (one thread: small models on a shared machine)
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -57,7 +57,7 @@ def test_a_hand_written_loop_with_a_learning_rate_100x_too_high_is_named_from_it
     """lr 2000 instead of 20. Before: measured from step 1 but its update ratio first at step 10
     (the next sampled step), so the divergence was named at step 5 by a loss spike; the first
     measured step of a hand-written loop is now sampled, and its update names the learning rate."""
-    result = train(lstm_lm, tmp_path / "run", lr_scale=100)
+    result = train(lstm_lm, tmp_path / "run", lr_scale=100, watch=PAST_THE_HALT)
     found = [f for f in result.findings() if f["severity"] != "info"]
     assert (found[0]["kind"], found[0]["step"], found[0]["layer"]) == ("learning_rate", 1, "rnn")
     assert "update is 8.7x the weights at step 1" in found[0]["message"]

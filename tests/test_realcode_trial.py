@@ -23,7 +23,7 @@ import pytest
 import gradwatch as gw
 
 from . import pool
-from .realcode import aside, check, loud, seq2seq, simclr, summary, timm_convnext, train, unwatched_aside
+from .realcode import PAST_THE_HALT, aside, check, loud, seq2seq, simclr, summary, timm_convnext, train, unwatched_aside
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")]  # nn.Transformer, batch_first=False
@@ -92,7 +92,7 @@ def test_healthy_runs_of_250_steps_are_quiet_and_bit_identical(name: str, tmp_pa
 # ---------------------------------------------------------------------------- seq2seq plants
 def test_seq2seq_noam_factor_100x_is_named_then_failed_as_a_run_that_never_learned(tmp_path: Path) -> None:
     """The Noam warmup starts small: the first sampled step after it ramped up names the learning rate."""
-    result = train(seq2seq, tmp_path / "run", steps=32, lr_scale=100)
+    result = train(seq2seq, tmp_path / "run", steps=32, lr_scale=100, watch=PAST_THE_HALT)
     found = loud(result)
     layer = "transformer.decoder.layers.1.self_attn"
     assert summary(found) == [("learning_rate", 10, layer, "warning"), ("learning_rate", 30, layer, "error")]
@@ -146,7 +146,7 @@ def test_timm_lr_100x_under_warmup_is_named_then_failed_as_a_run_that_never_lear
     """Step 0's update is small (warmup, and Adam's eps dominates the gradients behind the 1e-6 layer
     scales); by step 10 the head's weights grew 126x, the whole model 3.8x. The layer scales grew far more
     (3.3e5x from 1e-6), as any weight starting near zero does: the layer named is one of ordinary weights."""
-    result = train(timm_convnext, tmp_path / "run", steps=32, lr_scale=100)
+    result = train(timm_convnext, tmp_path / "run", steps=32, lr_scale=100, watch=PAST_THE_HALT)
     found = loud(result)
     assert summary(found) == [("learning_rate", 10, "head", "warning"),
                               ("learning_rate", 30, "head", "error")]
@@ -241,7 +241,7 @@ def test_simclr_blank_image_standardised_by_its_zero_std_is_nonfinite_input_with
 # --------------------------------------------------------------------------- torch.compile
 COMPILED = {
     "seq2seq-blank-targets": (seq2seq, {"steps": 34, "blank_targets_at": 30}),
-    "timm-lr-100x": (timm_convnext, {"steps": 32, "lr_scale": 100}),
+    "timm-lr-100x": (timm_convnext, {"steps": 32, "lr_scale": 100, "watch": PAST_THE_HALT}),
     "timm-stale-gradient": (timm_convnext, {"steps": 10, "zero_grad_removed": True}),
     "simclr-blank-image": (simclr, {"steps": 24, "blank_image_at": 20}),
 }

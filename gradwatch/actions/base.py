@@ -34,8 +34,8 @@ class Control(Protocol):
     def skip_samples(self, finding: Finding) -> dict[str, Any]:
         """Leave the samples ``finding`` blames (``data["samples"]``) out of training from now on."""
 
-    def halt(self, finding: Finding) -> None:
-        """Flush, write the verdict and raise ``gw.TrainingHalted``."""
+    def halt(self, finding: Finding | None, reason: str | None = None) -> None:
+        """Flush, write the verdict and raise ``gw.TrainingHalted`` (``reason``: why, else the finding's message)."""
 
 
 class Action:

@@ -29,8 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import gradwatch as gw
+from gradwatch.rules import DEFAULT_RULES
 
 Observe = Callable[..., None]
+
+#: the default rules without their halts (of a run the learning rate wrecked, of a clip needed again and again:
+#: issue 35): the watch options of the tests that follow such a run past its error (``tests/test_default_rules_stop.py``
+#: tests the halts)
+PAST_THE_HALT: dict[str, Any] = {"rules": [
+    {"when": r.when, "do": r.do, **({"severity": r.severity} if r.severity else {}),
+     **{k: v for k, v in r.params.items() if k not in ("max_clips", "within")}}
+    for r in DEFAULT_RULES if r.do != "halt"]}
 
 
 @dataclass
