@@ -30,6 +30,21 @@ def layer(name: str | None, type_: str | None = None) -> str:
     return f"{text} ({type_})" if type_ else text
 
 
+#: where a NaN/Inf born outside the model's layers is placed (origin tracking's ``source``)
+SOURCES = {"input": "the input batch", "loss": "the loss"}
+
+
+def place(name: str | None, phase: str | None = None, source: str | None = None) -> str:
+    """Where a finding is, as ``check``, the report and the dashboard all say it: the layer, with its
+    phase if any (``fc1 (backward)``); a layer-less NaN/Inf born in the input batch or the loss there
+    (``the input batch``); any other finding of no layer ``global`` (``global (forward)``).
+    """
+    if name is None and source in SOURCES:
+        return SOURCES[source]
+    where = name if name is not None else "global"
+    return f"{where} ({phase})" if phase else where
+
+
 #: layers a grouped finding's message names one by one at most (beyond: the first three ... the last two)
 SHOWN = 6
 

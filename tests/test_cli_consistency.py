@@ -113,7 +113,7 @@ def test_output_that_cannot_be_written_is_one_line(runs: Path, tmp_path: Path) -
     (("check", "runs", "--fail-on", "fatal"), "gradwatch: error: Invalid value for '--fail-on'"),
     (("report",), "gradwatch: error: Missing argument 'RUN'; see 'gradwatch report --help'"),
     (("demo", "--steps", "0"), "gradwatch: error: Invalid value for '--steps': 0 is not in the range x>=1"),
-    (("dashboard", "--port", "http"), "gradwatch: error: Invalid value for '--port': 'http' is not a valid integer"),
+    (("dashboard", "--port", "http"), "gradwatch: error: Invalid value for '--port': 'http' is not a whole number"),
     (("ls", "--colour"), "gradwatch: error: No such option '--colour'; see 'gradwatch ls --help'"),
     (("lss",), "gradwatch: error: No such command 'lss'"),
     (("ls", "no/such/folder"), "gradwatch: error: no such folder: 'no/such/folder'; see 'gradwatch ls --help'"),

@@ -186,10 +186,10 @@ def test_every_format_and_reader_on_a_detect_only_nan_run(nan_run: Path) -> None
     junit = runner.invoke(cli, ["check", str(nan_run), "--format", "junit"])
     assert junit.exit_code == 1
     failure = ET.fromstring(junit.output.split("\n", 1)[1]).find(".//testcase[@name='nonfinite']/failure")
-    assert failure is not None and failure.get("message", "").startswith(f"step {NAN_STEP}, (global) (forward)")
+    assert failure is not None and failure.get("message", "").startswith(f"step {NAN_STEP}, the input batch: ")
     github = runner.invoke(cli, ["check", str(nan_run), "--format", "github"])
-    assert github.exit_code == 1 and github.output.startswith("::error title=gradwatch nonfinite at (global) "
-                                                              f"(forward)%2C step {NAN_STEP}")
+    assert github.exit_code == 1 and github.output.startswith("::error title=gradwatch nonfinite at the input "
+                                                              f"batch%2C step {NAN_STEP}")
     listed = runner.invoke(cli, ["ls", str(nan_run.parent), "--format", "json"])
     assert listed.exit_code == 0 and strict(listed.output)[0]["findings"]["error"] >= 1
     report = nan_run.parent / "report.html"

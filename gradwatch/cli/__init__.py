@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +39,18 @@ class _Group(click.Group):
         if cmd_name not in self.commands and cmd_name in COMMANDS:
             importlib.import_module(COMMANDS[cmd_name])
         return super().get_command(ctx, cmd_name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None,
+                                                                             list[str]]:
+        """The command named first in ``args``; an unknown name is refused with the closest command's."""
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            name = args[0] if args else ""
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1, cutoff=0.6)
+            if not close or not exc.format_message().startswith("No such command"):
+                raise
+            raise click.UsageError(f"No such command {name!r}. Did you mean {close[0]!r}?", ctx) from None
 
     def main(  # type: ignore[override]
         self,
@@ -80,6 +94,9 @@ def cli() -> None:
 def one_line(exc: click.ClickException) -> str:
     """A click error (a bad option, a missing argument ...) as the one line gradwatch prints for every error."""
     message = " ".join(exc.format_message().split())
+    message = re.sub(r"\. Did you mean (.+)\?$", r" (did you mean \1?)", message)  # then "; see ..."
+    message = re.sub(r" is not a valid (integer|float) range\b",  # click's name of its IntRange, FloatRange
+                     lambda m: " is not a whole number" if m.group(1) == "integer" else " is not a number", message)
     ctx = getattr(exc, "ctx", None)
     if isinstance(exc, click.UsageError) and ctx is not None:
         message = f"{message.rstrip('.')}; see '{ctx.command_path} --help'"

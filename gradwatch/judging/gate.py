@@ -15,6 +15,7 @@ import pandas as pd
 from gradwatch.encoding import whole
 from gradwatch.errors import ConfigError
 from gradwatch.store.findings import SEVERITIES, rank
+from gradwatch.wording import place
 
 #: the thresholds ``--fail-on`` accepts
 FAIL_ON = ("warning", "error")
@@ -61,6 +62,8 @@ class Item:
     samples: dict[str, Any] | None = None
     #: what replaying the step to find the root cause or the samples cost (ms)
     replay_ms: float | None = None
+    #: where a NaN/Inf was born outside the model's layers (origin tracking's ``source``: input, loss)
+    source: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Item:
@@ -74,7 +77,8 @@ class Item:
                    hint=text_or_none(data.get("hint")), origin=origin,
                    root_cause=root if isinstance(root, dict) else None,
                    samples=samples if isinstance(samples, dict) else None,
-                   replay_ms=float(ms) if isinstance(ms, (int, float)) and not isinstance(ms, bool) else None)
+                   replay_ms=float(ms) if isinstance(ms, (int, float)) and not isinstance(ms, bool) else None,
+                   source=data.get("source") if isinstance(data.get("source"), str) else None)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of PRODUCT.md (plus ``repeats`` and ``hint``, and ``root_cause``, ``samples``
@@ -91,9 +95,10 @@ class Item:
         return out
 
     def where(self) -> str:
-        """``layer`` (and phase), or ``(global)``."""
-        place = self.layer or "(global)"
-        return f"{place} ({self.phase})" if self.phase else place
+        """``layer`` (and phase); the input batch or the loss for a NaN/Inf born there; else ``global``
+        (:func:`gradwatch.wording.place`, as the report and the dashboard say it).
+        """
+        return place(self.layer, self.phase, self.source)
 
     def line(self) -> str:
         """One line for a log: step, kind, where, message, action and the suggested fix."""

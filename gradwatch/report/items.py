@@ -14,6 +14,7 @@ from gradwatch.report.text import fmt
 from gradwatch.rootcause import words
 from gradwatch.store.findings import rank
 from gradwatch.store.reader import Run
+from gradwatch.wording import place
 
 #: findings explained one by one (all are listed in the table)
 MAX_CARDS = 200
@@ -65,14 +66,7 @@ class Item:
         """The layer (and phase); for a NaN/Inf born outside the layers, the input batch or the loss;
         else "global".
         """
-        if self.layer is None and self.source in _SOURCES:
-            return _SOURCES[self.source]
-        where = self.layer if self.layer is not None else "global"
-        return f"{where} ({self.phase})" if self.phase else where
-
-
-#: how a NaN/Inf born outside the model's layers is placed (origin tracking's ``source``)
-_SOURCES = {"input": "the input batch", "loss": "the loss"}
+        return place(self.layer, self.phase, self.source)
 
 
 def _outcome(action: str | None, outcome: Any) -> tuple[str | None, int | None]:
