@@ -1,6 +1,6 @@
 """Hugging Face Trainer: one callback watches a tiny GPT-2 (built from a config, nothing downloaded).
 
-Run it with ``python examples/hf_trainer_example.py`` (needs ``pip install 'gradwatch[hf]'``); it
+Run it with ``python examples/hf_trainer_example.py`` (needs ``pip install -e ".[hf]"``); it
 writes ``runs/hf-trainer-example``. The Trainer clips gradients to ``max_grad_norm=1.0`` before
 the optimizer step: ``grad_norm`` is the norm the optimizer applied, ``grad_norm_preclip`` the
 norm before clipping (what the Trainer logs as ``grad_norm``, and what the exploding detector judges).

@@ -1,6 +1,6 @@
 """Lightning: one callback watches a LightningModule; a bad batch is found and skipped.
 
-Run it with ``python examples/lightning_example.py`` (needs ``pip install 'gradwatch[lightning]'``);
+Run it with ``python examples/lightning_example.py`` (needs ``pip install -e ".[lightning]"``);
 it writes ``runs/lightning-example``. Batch 30 holds a zero: ``log`` makes it -inf in ``features``,
 the gradients go NaN, and gradwatch's default rules skip that step; training goes on and converges.
 """

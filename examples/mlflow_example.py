@@ -1,6 +1,6 @@
 """gradwatch into MLflow: a run's statistics, findings and verdict in the active MLflow run.
 
-Run it as written (``pip install 'gradwatch[mlflow]'``): it logs into a SQLite tracking store,
+Run it as written (``pip install -e ".[mlflow]"``): it logs into a SQLite tracking store,
 ``mlflow.db`` in the working directory (``mlflow ui --backend-store-uri sqlite:///mlflow.db`` shows
 it). One batch holds a NaN at step 60; the default rules skip that step and training goes on.
 """

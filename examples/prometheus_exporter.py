@@ -1,6 +1,6 @@
 """Prometheus exporter: serve a training run's gradient norm, loss, findings and actions for Prometheus.
 
-    pip install 'gradwatch[prometheus]'
+    pip install -e ".[prometheus]"
     python examples/prometheus_exporter.py                  # metrics at http://127.0.0.1:9108/metrics
     python examples/prometheus_exporter.py --port 0 --steps 300
 

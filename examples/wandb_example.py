@@ -1,6 +1,6 @@
 """Weights & Biases: gradwatch's series, findings and verdict in your own W&B run, beside your own metrics.
 
-    pip install 'gradwatch[wandb]'
+    pip install -e ".[wandb]"
     python examples/wandb_example.py                 # offline: nothing leaves the machine
     WANDB_MODE=online python examples/wandb_example.py   # to your W&B account (after `wandb login`)
 
