@@ -67,6 +67,8 @@ class Options:
             ``per_layer``, ``max_layers`` and ``registry``; see :func:`prometheus_settings`.
         sinks: installed sink plugins that also receive the run's records (see
             :mod:`gradwatch.plugins`): a list of names, or ``{name: {setting: value}}``.
+        wandb_histograms: on sampled steps, each parameter's gradient and value histogram for the
+            wandb sink (``gradients/<param>``, ``parameters/<param>``, as ``wandb.watch(log="all")``).
     """
 
     log_every: int = 1
@@ -90,6 +92,7 @@ class Options:
     replica_tolerance: float = 1e-5
     prometheus: Any = None
     sinks: Any = None
+    wandb_histograms: bool = False
 
     @property
     def sample_period(self) -> int:
@@ -137,7 +140,7 @@ class Options:
             from gradwatch.detectors import build
 
             build(self.detectors)
-        for name in ("activations", "tensorboard", "overwrite", "resume", "origin", "console"):
+        for name in ("activations", "tensorboard", "overwrite", "resume", "origin", "console", "wandb_histograms"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.resume and self.overwrite:

@@ -218,6 +218,33 @@ def test_a_run_of_its_own_has_every_step_as_w_and_bs_step_and_latest_values_that
     assert counted and all([s for s, v in sent.items() if v] == [NAN_STEP] and sent[max(sent)] == 0
                            and max(sent) > NAN_STEP for sent in counted)
     assert all(found.summary[key] == 0 for key in found.summary if "/grad_nonfinite/" in key)
+    assert not any(key.startswith(("gradients/", "parameters/")) for row in found.rows for key in row)  # off
+
+
+@pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
+def test_wandb_histograms_on_sampled_steps_named_as_wandb_watch_names_them(offline: Path) -> None:
+    model, x, y = model_and_data()
+    gw.watch(model, run=offline / "run", console=False, tensorboard=False, wandb_histograms=True,
+             sinks={"wandb": {"init": {"project": "p"}}})
+    train(model, x, y, nan_at=None)
+    gw.watcher(model).close()
+    (found,) = offline_runs(offline)
+    sampled = set(range(0, STEPS, 10))
+    params = dict(model.named_parameters())
+    for kind in ("gradients", "parameters"):
+        for name, p in params.items():
+            key = f"{kind}/{name}"  # a histogram, as wandb.watch logs one: {_type, bins, values}
+            assert set(found.series(f"{key}/_type", step="_step").values()) == {"histogram"}, key
+            values, bins = found.series(f"{key}/values", step="_step"), found.series(f"{key}/bins", step="_step")
+            assert set(values) == set(bins) == sampled, key  # the sampled steps, at W&B's step = the training step
+            for step in sampled:
+                assert len(bins[step]) == len(values[step]) + 1 == 65 and bins[step] == sorted(bins[step])
+                assert sum(values[step]) == p.numel()  # every element once
+    # a histogram spans the values as they were: the first layer's weights at step 0 are the seeded init's
+    torch.manual_seed(0)
+    first = nn.Linear(4, 16).weight
+    bins = found.series("parameters/1.weight/bins", step="_step")[0]
+    assert (bins[0], bins[-1]) == pytest.approx((first.min().item(), first.max().item()), rel=1e-5)
 
 
 @pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)

@@ -6,7 +6,10 @@ writer thread:
 - every step: ``gradwatch/step`` and the global series ``gradwatch/global/<name>`` (``grad_norm``,
   ``loss``, ``lr`` and any observed scalar; ``skipped``: 1 on a skipped step, 0 on any other);
 - on sampled steps (and the steps the flight recorder sends when a finding fires, and a step with
-  NaN/Inf gradients) also ``gradwatch/<metric>/<layer>`` for every per-layer statistic;
+  NaN/Inf gradients) also ``gradwatch/<metric>/<layer>`` for every per-layer statistic; with the
+  option ``wandb_histograms``, on sampled steps, ``gradients/<param>`` and ``parameters/<param>``
+  histograms as ``wandb.watch(model, log="all")`` names them (``<prefix>/gradients/...`` for another
+  prefix);
 - every finding as a row of the ``gradwatch/findings`` table (kind, severity, layer, step, action,
   message, repeats), logged again when new findings arrive (at most every ``table_every`` seconds)
   and at the end; an alert (``run.alert``) for each error, at most one per kind per ``alert_every``
@@ -149,6 +152,9 @@ class Wandb:
             size = len(row)
             if (first and not rec.flight) or (rec.flight and not first):
                 self._layers(rec, row)
+            if rec.histograms and not rec.flight:  # wandb_histograms: named as wandb.watch names them
+                row.update((self._hist_key(key), self._wandb.Histogram(np_histogram=(counts, edges)))
+                           for key, (counts, edges) in rec.histograms.items())
             if len(row) > 1:
                 rank = 2 if not rec.flight and (rec.skipped or not rec.gradients_finite()) else int(len(row) > size)
                 rows.append((rank, rec.step, row))
@@ -206,6 +212,9 @@ class Wandb:
         if key is None:
             key = self._globals[name] = f"{self._prefix}/global/{name}"
         return key
+
+    def _hist_key(self, key: str) -> str:
+        return key if self._prefix == "gradwatch" else f"{self._prefix}/{key}"  # two models: apart
 
     def _layers(self, rec: StepRecord, row: dict[str, Any]) -> None:
         """Add the record's per-layer values (those measured; non-zero NaN/Inf counts only) to ``row``."""

@@ -188,7 +188,7 @@ class Lifecycle(Reading):
         record = StepRecord(step=step, time=now, layout=self.found.layout,
                             scalars={"grad_norm": measured.total, **measured.scalars}, vectors=measured.vectors,
                             logged=self.logged(step) or measured.nonfinite, sampled=measured.launched.sampled,
-                            detail=measured.launched.sampled or measured.nonfinite)
+                            detail=measured.launched.sampled or measured.nonfinite, histograms=measured.histograms)
         if self.it.stale:                                           # the gradients were never cleared
             record.scalars[GRAD_STALE] = float(self.it.stale)
         findings = self._judge(record, measured.nonfinite)          # judge

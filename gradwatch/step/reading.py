@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gradwatch.step import histograms, preclip, stats
 from gradwatch.step import observed as obs
-from gradwatch.step import preclip, stats
 from gradwatch.step.measure import Launched
 from gradwatch.step.unmeasured import Unmeasured
 
@@ -27,6 +27,7 @@ class Measured:
     total: float  # the global gradient norm
     nonfinite: bool  # some gradient holds inf or NaN
     counts: dict[str, int]  # how many values of each observed name the read took
+    histograms: dict[str, tuple[np.ndarray, np.ndarray]] | None = None  # wandb_histograms, on sampled steps
 
 
 class Reading(Unmeasured):
@@ -51,7 +52,13 @@ class Reading(Unmeasured):
         scale = self._loss_scale() if refs is not None else None
         ref_parts = preclip.parts(refs, scale) if refs is not None else []
         upd, late = (self.pending.update_parts, self.pending.late_parts()) if self.pending is not None else ([], [])
-        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *ref_parts, *upd, *late])  # the step's one read
+        hist = histograms.parts(self.found.params) if (sampled and self.options.wandb_histograms
+                                                       and not launched.sharded) else []
+        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *ref_parts, *upd, *late, *hist])  # one read
+        held = None
+        if hist:  # the histograms came last: the rest is read as ever
+            n = histograms.size(self.found.params)
+            host, held = host[:len(host) - n], histograms.read(host[len(host) - n:], self.found.layout.params)
         if launched.sharded and self.group is not None:  # FSDP: the shards' statistics make the model's
             spans = self.measure.spans(launched)
             if upd:
@@ -82,7 +89,8 @@ class Reading(Unmeasured):
             self.judge.defer(unmeasured)
         # a finite total means finite norms; an infinite one may come from finite norms (overflow)
         return Measured(launched, vectors, scalars, total, nonfinite=not math.isfinite(total) and not
-                        np.isfinite(gnorm).all(), counts={name: len(values) for name, values in observed.items()})
+                        np.isfinite(gnorm).all(), counts={name: len(values) for name, values in observed.items()},
+                        histograms=held)
 
     def _loss_scale(self) -> torch.Tensor | None:
         """The scale of the GradScaler that scaled this step's backward pass, if one did (on the device)."""

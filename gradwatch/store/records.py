@@ -114,6 +114,8 @@ class StepRecord:
             found by replaying the step; None when everything was finite.
         flight: re-sent by the flight recorder when a finding fired (its global scalars were
             already written; its per-layer vectors were not).
+        histograms: on sampled steps with ``wandb_histograms``, ``{"gradients/<param>": (counts,
+            bin edges), "parameters/<param>": ...}`` (see :mod:`gradwatch.step.histograms`); else None.
     """
 
     step: int
@@ -127,6 +129,7 @@ class StepRecord:
     detail: bool = False
     origin: dict[str, Any] | None = None
     flight: bool = False
+    histograms: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
 
     def vector(self, metric: str, scope: str = LAYER) -> np.ndarray | None:
         """One metric's vector, or None when it was not measured on this step."""
