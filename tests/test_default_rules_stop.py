@@ -147,3 +147,37 @@ def test_a_clip_escalation_counts_the_steps_within_its_window_and_restarts_befor
     assert last.action == "halt" and acted == [last]
     assert last.data["outcome"] == {"halted": True, "clipped_steps": 3, "within": 10, "restart_before": 19}
     clips.clipped(gw.Rule(when="exploding", do="clip"), _explosion(30), _Control(), acted)  # no max_clips: never
+
+
+@pytest.mark.slow
+def test_under_lightning_an_explosion_clipped_again_and_again_stops_the_trainer(tmp_path: Path) -> None:
+    """The issue's Lightning run: the same ``exploding`` finding clipped 88 times, on to a loss of ~7e33."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from gradwatch.integrations.lightning import GradWatchCallback
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+
+        def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return (self.net(x) - x[:, :1]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    x = torch.randn(200 * 32, 16)
+    x[30 * 32:] *= 100.0  # from step 30 on, every batch is out of scale: its gradients explode
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=32)
+    fit = pl.Trainer(accelerator="cpu", devices=1, max_steps=200, enable_checkpointing=False, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[GradWatchCallback(run=tmp_path / "run", console=False)])
+    fit.fit(Net(), data)  # returns normally: the trainer is stopped
+    assert fit.should_stop and 30 + MAX_CLIPS < fit.global_step < 30 + 2 * MAX_CLIPS, fit.global_step
+    with gw.open_run(tmp_path / "run") as run:
+        assert run.status == "halted"
+        halted = run.verdict["halted"]
+    assert 30 + MAX_CLIPS <= halted["step"] < 30 + 2 * MAX_CLIPS
+    assert f"had to be clipped on {MAX_CLIPS + 1} of the last {CLIP_WINDOW} steps" in halted["reason"]
