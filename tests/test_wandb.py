@@ -222,6 +222,21 @@ def test_a_run_of_its_own_has_every_step_as_w_and_bs_step_and_latest_values_that
 
 
 @pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
+def test_rows_of_the_users_in_the_run_the_sink_started_are_all_kept_and_counted_alone(offline: Path) -> None:
+    """Lightning's WandbLogger (or a wandb.log of the user's) logs into the run gradwatch started: it is then
+    written as the user's run, and no row of the user's is dropped behind a step of gradwatch's."""
+    model, x, y = model_and_data()
+    gw.watch(model, run=offline / "run", console=False, sinks={"wandb": {"init": {"project": "p"}}})
+    train(model, x, y, run=wandb.run)  # the user's rows, one per step, into the run the sink started
+    gw.watcher(model).close()
+    (found,) = offline_runs(offline)
+    assert [row["train/step"] for row in found.rows if "train/step" in row] == list(range(STEPS))
+    assert [row["_step"] for row in found.rows] == list(range(len(found.rows))) and len(found.rows) <= STEPS + 1
+    steps = [row["gradwatch/step"] for row in gradwatch_rows(found)]
+    assert steps == sorted(set(steps)) and NAN_STEP in steps
+
+
+@pytest.mark.slow  # starts wandb's service (seconds on a loaded machine)
 def test_wandb_histograms_on_sampled_steps_named_as_wandb_watch_names_them(offline: Path) -> None:
     model, x, y = model_and_data()
     gw.watch(model, run=offline / "run", console=False, tensorboard=False, wandb_histograms=True,

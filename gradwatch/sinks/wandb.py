@@ -23,7 +23,8 @@ so every gradwatch chart is drawn against the training step, and gradwatch never
 row counter (``_step``) in a run it did not start: in the user's run it merges one step of each writer
 batch into the user's next row (``commit=False``): the newest skipped or NaN/Inf step, else the newest
 with per-layer values, else the newest (the run store has every step). A run the sink started is
-gradwatch's alone: there ``_step`` is the training step (``log(step=)``), every step a row.
+gradwatch's alone: there ``_step`` is the training step (``log(step=)``), every step a row; once rows
+of someone else's are logged into it (W&B's step went past gradwatch's row), it is written as a user's run.
 
 Resume: a run the sink started keeps its id in the run's metadata (``wandb_run``); a process that
 resumes the run (``gw.watch(..., resume=True)``) continues that W&B run, rewound to the restart
@@ -136,6 +137,7 @@ class Wandb:
         self._table_at = -math.inf  # now() of the last table logged
         self._alerted: dict[str, tuple[float, int]] = {}  # kind -> (time of its last alert, errors since)
         self._gone = False  # the W&B run was finished under the sink
+        self._shared = False  # a run the sink started that others log into too: written as a user's run
 
     # ---------------------------------------------------------------- sink
     def write(self, records: Sequence[StepRecord]) -> None:
@@ -153,12 +155,17 @@ class Wandb:
             if (first and not rec.flight) or (rec.flight and not first):
                 self._layers(rec, row)
             if rec.histograms and not rec.flight:  # wandb_histograms: named as wandb.watch names them
-                row.update((self._hist_key(key), self._wandb.Histogram(np_histogram=(counts, edges)))
+                head = "" if self._prefix == "gradwatch" else f"{self._prefix}/"  # two models: apart
+                row.update((head + key, self._wandb.Histogram(np_histogram=(counts, edges)))
                            for key, (counts, edges) in rec.histograms.items())
             if len(row) > 1:
                 rank = 2 if not rec.flight and (rec.skipped or not rec.gradients_finite()) else int(len(row) > size)
                 rows.append((rank, rec.step, row))
-        if self.owned:
+        if self.owned and not self._shared and rows and self._others():
+            self._shared = True  # someone logs into the run the sink started (wandb.log, Lightning's WandbLogger)
+            log.info("gradwatch: rows other than gradwatch's are logged into the W&B run %s: gradwatch merges its "
+                     "steps into them from now on (commit=False), as into a run of the user's", self._name)
+        if self.owned and not self._shared:
             for _, step, row in rows:
                 if step >= self._at and self._log(row, step=step):
                     self._at = step
@@ -213,9 +220,6 @@ class Wandb:
             key = self._globals[name] = f"{self._prefix}/global/{name}"
         return key
 
-    def _hist_key(self, key: str) -> str:
-        return key if self._prefix == "gradwatch" else f"{self._prefix}/{key}"  # two models: apart
-
     def _layers(self, rec: StepRecord, row: dict[str, Any]) -> None:
         """Add the record's per-layer values (those measured; non-zero NaN/Inf counts only) to ``row``."""
         for (scope, metric), vec in rec.vectors.items():
@@ -250,6 +254,13 @@ class Wandb:
             self._finished_under()
             return False
         return True
+
+    def _others(self) -> bool:
+        """Whether W&B's step went past the row the sink is writing: someone else commits rows into its run."""
+        try:
+            return bool(self.run.step > self._at)
+        except self._wandb.errors.UsageError:
+            return False  # finished under the sink: said when it next logs
 
     def _init(self, wandb: Any, run_dir: Path, init: dict[str, Any], kept: str | None) -> Any:
         """Start the sink's own run: the one the run's metadata keeps when this process resumed the run."""
