@@ -11,7 +11,7 @@ import pytest
 import gradwatch as gw
 from gradwatch.dashboards.server import start
 from tests.test_report import BIG_STEP, NAN_STEP, XSS_LAYER, XSS_RUN, loop, make_model, narrow, synthetic, train
-from tests.test_report_browser import assert_log_ticks_read_true
+from tests.test_report_browser import assert_log_ticks_read_true, laid_out_labels
 
 pytestmark = pytest.mark.slow  # a real browser
 
@@ -171,5 +171,47 @@ def test_log_axes_read_true(browser, tmp_path: Path) -> None:  # type: ignore[no
         page.wait_for_selector("#flow .main-svg")
         flow = assert_log_ticks_read_true(page, "#flow .ytick text", 1e-6, 1.5)  # the latest step's layers
         assert 1e-6 in flow or 1e-5 in flow
+        assert not problems, problems
+        page.close()
+
+
+#: every tick label's box on the page's charts: [chart and axis, text, top, bottom, left, right]
+_LABEL_BOXES = """() => [...document.querySelectorAll('.js-plotly-plot')].flatMap(plot =>
+    [...plot.querySelectorAll('g.yaxislayer-above, g.xaxislayer-above')].flatMap((axis, i) =>
+        [...axis.querySelectorAll('text')].filter(e => e.textContent).map(e => {
+            const b = e.getBoundingClientRect();
+            return [plot.id + ':' + i, e.textContent, b.top, b.bottom, b.left, b.right];
+        })))"""
+
+
+def _overlapping(boxes: list[list]) -> list[tuple[str, str, str]]:  # type: ignore[type-arg]
+    found = []
+    for i, (axis, text, top, bottom, left, right) in enumerate(boxes):
+        for other, text2, top2, bottom2, left2, right2 in boxes[i + 1:]:
+            apart = bottom2 - 0.5 <= top or bottom - 0.5 <= top2 or right2 - 0.5 <= left or right - 0.5 <= left2
+            if other == axis and not apart:
+                found.append((axis, text, text2))
+    return found
+
+
+@pytest.mark.parametrize(("low", "high", "least"), [(0.003, 0.2, [0.01, 0.1]), (0.7, 1.0, [0.7, 1])])
+def test_log_axis_labels_never_overlap(browser, tmp_path: Path, low: float, high: float,  # type: ignore[no-untyped-def]
+                                       least: list[float]) -> None:
+    """Gradient norms over two decades, and within one: the labels stand apart, each still its value."""
+    narrow(tmp_path / "narrow", low, high)
+    with start(tmp_path, poll=0.25) as dash:
+        page = browser.new_page(viewport={"width": 1000, "height": 700})
+        problems = watch_page(page)
+        page.goto(f"{dash.url}run?run=narrow")
+        page.wait_for_selector("#timeline .main-svg")
+        page.wait_for_selector("#flow .main-svg")
+        flow = assert_log_ticks_read_true(page, "#flow .ytick text", low, high)
+        timeline = assert_log_ticks_read_true(page, "#timeline .y2tick text", low, high)
+        assert set(least) <= set(flow) and set(least) <= set(timeline), (flow, timeline)
+        assert _overlapping(page.evaluate(_LABEL_BOXES)) == []
+        page.evaluate("() => document.getElementById('flow').emit('plotly_click', {points: [{x: 1, pointNumber: 1}]})")
+        page.wait_for_selector("#layer-panel:not([hidden]) #layer .main-svg")
+        laid_out_labels(page, "#layer .ytick text")
+        assert _overlapping(page.evaluate(_LABEL_BOXES)) == []
         assert not problems, problems
         page.close()

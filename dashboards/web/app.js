@@ -19,6 +19,9 @@
   const MAX_TICKS = 24;
   // a log axis whose values all lie in this range labels its ticks as plain numbers (as the report's figures.py)
   const PLAIN_LOG = [1e-3, 1e4];
+  // the digits a plain log axis labels in each decade, densest first, and the pixels between two labels
+  const MANTISSAS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 5, 7], [1, 2, 5], [1, 3], [1]];
+  const LABEL_GAP = 18;
 
   // ------------------------------------------------------------------ helpers
   const esc = (s) => String(s).replace(/[&<>"']/g,
@@ -111,12 +114,14 @@
     return run;
   }
 
-  // A log-scale axis on which every tick label reads as its value, for the values of the arrays given.
-  // plotly labels the ticks between two powers of ten with their first digit alone (0.4 reads "4", 20
-  // reads "2"): values within PLAIN_LOG are labelled as plain numbers (0.3, 0.5, 1, 2, 20), wider ones
-  // by powers of ten with every tick between them written whole (5x10^-1). The report's log_axis
-  // (gradwatch/report/figures.py) decides the same way.
-  function logAxis(...series) {
+  // A log-scale axis on which every tick label reads as its value, for the values of the arrays given,
+  // on an axis about `px` pixels tall. plotly labels the ticks between two powers of ten with their
+  // first digit alone (0.4 reads "4", 20 reads "2"): values within PLAIN_LOG are labelled as plain
+  // numbers (0.3, 0.5, 1, 2, 20), wider ones by powers of ten with every tick between them written
+  // whole (5x10^-1). The report's log_axis (gradwatch/report/figures.py) decides the same way. Plain
+  // labels are placed at the densest of 1..9, 1-2-3-5-7, 1-2-5, 1-3 and 1 per decade whose labels
+  // stand LABEL_GAP pixels apart (every digit labelled on a short axis overlapped: 1, 0.9, 0.8, 0.7).
+  function logAxis(px, ...series) {
     let lo = Infinity;
     let hi = -Infinity;
     for (const values of series) {
@@ -124,8 +129,22 @@
         if (typeof v === "number" && v > 0 && Number.isFinite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
       }
     }
-    if (lo === Infinity || (lo >= PLAIN_LOG[0] && hi <= PLAIN_LOG[1])) return { type: "log", tickformat: "~g" };
-    return { type: "log", exponentformat: "power", minorloglabels: "complete" };
+    if (lo === Infinity) return { type: "log", tickformat: "~g" };
+    if (lo < PLAIN_LOG[0] || hi > PLAIN_LOG[1]) return { type: "log", exponentformat: "power", minorloglabels: "complete" };
+    const span = Math.max(Math.log10(hi / lo), 0.02) * 1.1;  // plotly's autorange pads the data's span
+    for (const digits of MANTISSAS) {
+      const ticks = [];
+      for (let e = Math.floor(Math.log10(lo)) - 1; e <= Math.ceil(Math.log10(hi)); e += 1) {
+        for (const d of digits) {
+          const v = Number((d * 10 ** e).toPrecision(6));
+          if (v >= lo / 1.02 && v <= hi * 1.02) ticks.push(v);
+        }
+      }
+      if (ticks.length < 2) break;  // a narrow span: plotly's own ticks, as many as fit
+      const gap = Math.min(...ticks.slice(1).map((v, i) => Math.log10(v / ticks[i])));
+      if (gap / span * px >= LABEL_GAP) return { type: "log", tickformat: "~g", tickvals: ticks };
+    }
+    return { type: "log", tickformat: "~g", nticks: Math.max(2, Math.floor(px / (2 * LABEL_GAP))) };
   }
 
   function layout(extra) {
@@ -267,10 +286,12 @@
       const lay = layout({ height: 200 * (rows.length - (lanes.length ? 1 : 0)) + (lanes.length ? 40 + 26 * lanes.length : 0) + 60,
                            hovermode: "closest", margin: { l: 72, r: 24, t: 12, b: 44 } });
       const yname = {};
+      const px = {};  // each row's height in pixels, for its log axis's labels
       rows.forEach((row, k) => {
         const h = (weights[row] / total) * (1 - gap * (rows.length - 1));
         const key = k === 0 ? "yaxis" : `yaxis${k + 1}`;
         yname[row] = k === 0 ? "y" : `y${k + 1}`;
+        px[row] = h * (lay.height - 56);
         lay[key] = axis({ domain: [Math.max(0, top - h), top], anchor: "x" });
         top -= h + gap;
       });
@@ -278,14 +299,14 @@
         traces.push({ x: c.curves.loss.steps, y: c.curves.loss.values, yaxis: yname.loss, mode: "lines", name: "loss",
                       line: { color: "#2f6fde", width: 1.4 }, hovertemplate: "step %{x}<br>loss %{y:.4g}<extra></extra>" });
         Object.assign(lay[yname.loss === "y" ? "yaxis" : `yaxis${yname.loss.slice(1)}`],
-                      { title: { text: "loss" }, ...(c.curves.loss.log ? logAxis(c.curves.loss.values) : {}) });
+                      { title: { text: "loss" }, ...(c.curves.loss.log ? logAxis(px.loss, c.curves.loss.values) : {}) });
       }
       if (has("grad_norm")) {
         traces.push({ x: c.curves.grad_norm.steps, y: c.curves.grad_norm.values, yaxis: yname.grad, mode: "lines",
                       name: "global grad norm", line: { color: "#7c3aed", width: 1.4 },
                       hovertemplate: "step %{x}<br>grad norm %{y:.3g}<extra></extra>" });
         Object.assign(lay[yname.grad === "y" ? "yaxis" : `yaxis${yname.grad.slice(1)}`],
-                      { title: { text: "grad norm" }, ...logAxis(c.curves.grad_norm.values) });
+                      { title: { text: "grad norm" }, ...logAxis(px.grad, c.curves.grad_norm.values) });
       }
       if (lanes.length) {
         const key = yname.events === "y" ? "yaxis" : `yaxis${yname.events.slice(1)}`;
@@ -402,7 +423,7 @@
       const t = ticks(f.layers);
       draw("flow", traces, layout({
         height: 380, bargap: n > 100 ? 0 : 0.2, showlegend: true, legend: { orientation: "h", y: 1.12, x: 0 },
-        yaxis: axis({ ...logAxis(traces[0].y, traces[1].y), title: { text: "grad norm" } }),
+        yaxis: axis({ ...logAxis(280, traces[0].y, traces[1].y), title: { text: "grad norm" } }),
         xaxis: axis({ title: { text: "layer (input → output)" }, tickvals: t.tickvals, ticktext: t.ticktext,
                       tickangle: n > 6 ? -35 : 0, automargin: true, range: [-0.5, n - 0.5] }),
       }));
@@ -460,7 +481,7 @@
           const y = k === 0 ? "y" : `y${k + 1}`;
           lay[k === 0 ? "yaxis" : `yaxis${k + 1}`] = axis({
             domain: [1 - (k + 1) * h - k * gap, 1 - k * gap - k * h], anchor: "x",
-            ...(meta.log ? logAxis(s.values, s.low, s.high) : { type: "linear", exponentformat: "power" }),
+            ...(meta.log ? logAxis(h * (lay.height - 56), s.values, s.low, s.high) : { type: "linear", exponentformat: "power" }),
             title: { text: esc(meta.title), font: { size: 11 } } });
           const colour = PALETTE[k % PALETTE.length];
           if (s.values) {
@@ -549,7 +570,7 @@
         } : null)).filter(Boolean);
         if (!traces.length) { empty(target, `No ${name === "loss" ? "loss" : "gradient norm"} recorded.`); continue; }
         draw(target, traces, layout({ height: 320, showlegend: true, legend: { orientation: "h", y: 1.14, x: 0 },
-          yaxis: axis(log ? logAxis(...traces.map((trace) => trace.y)) : { type: "linear", exponentformat: "power" }),
+          yaxis: axis(log ? logAxis(230, ...traces.map((trace) => trace.y)) : { type: "linear", exponentformat: "power" }),
           xaxis: axis({ title: { text: "step" } }) }));
       }
       const order = [];
@@ -565,7 +586,7 @@
       if (!traces.length) { empty("cmp-flow", "No gradients recorded yet."); return; }
       const t = ticks(order);
       draw("cmp-flow", traces, layout({ height: 380, showlegend: true, legend: { orientation: "h", y: 1.12, x: 0 },
-        yaxis: axis({ ...logAxis(...traces.map((trace) => trace.y)), title: { text: "grad norm" } }),
+        yaxis: axis({ ...logAxis(280, ...traces.map((trace) => trace.y)), title: { text: "grad norm" } }),
         xaxis: axis({ title: { text: "layer (input → output)" }, tickvals: t.tickvals, ticktext: t.ticktext,
                       tickangle: order.length > 6 ? -35 : 0, automargin: true }) }));
     });
