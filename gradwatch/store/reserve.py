@@ -9,7 +9,7 @@ from pathlib import Path
 #: the reserve file in the run directory (removed when the run closes)
 RESERVE = ".gradwatch-reserve"
 #: its size: the final status (a few 16 KB pages of the WAL), the findings held and the verdict
-RESERVE_BYTES = 256 << 10
+RESERVE_BYTES = 128 << 10
 
 
 class Reserve:
