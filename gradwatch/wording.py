@@ -50,10 +50,10 @@ SHOWN = 6
 
 
 def listed(names: list[str]) -> str:
-    """``'0', '2', '4'``, or for more than :data:`SHOWN` layers ``'0', '2', '4' … '16', '18'``: the layers one
-    finding covers (one cause at one step), in model order.
+    """``fc1, fc2, fc3`` (``'0', '2', '4'``: each as :func:`layer` writes it), or for more than :data:`SHOWN`
+    layers ``'0', '2', '4' … '16', '18'``: the layers one finding covers (one cause at one step), in model order.
     """
-    quoted = [repr(n) for n in names]
+    quoted = [layer(n) for n in names]
     if len(quoted) <= SHOWN:
         return ", ".join(quoted)
     return ", ".join(quoted[:3]) + " … " + ", ".join(quoted[-2:])

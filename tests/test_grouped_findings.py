@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
+from gradwatch.wording import layer
 
 EARLY = [str(i) for i in range(0, 20, 2)]  # the ten Linear layers of the slow param group
 
@@ -51,7 +52,7 @@ def test_early_layers_that_barely_learn_are_one_finding_per_step(tmp_path: Path)
     assert widest.layer == layers[0] and widest.data["count"] == len(layers)
     assert len(widest.data["ratios"]) == len(layers)
     assert all(0 < r < 1e-8 for r in widest.data["ratios"])
-    assert widest.message.startswith(f"updates of {len(layers)} layers ('{layers[0]}', ")
+    assert widest.message.startswith(f"updates of {len(layers)} layers ({layer(layers[0])}, ")
     assert "Linear" in widest.message and "they do not learn" in widest.message
     every = {name for _, row in ratios.iterrows() for name in covered(row)}
     assert every <= set(EARLY) and len(every) >= 8  # the slow group's layers, never the others

@@ -245,7 +245,7 @@ def test_a_zero_output_layer_explains_a_model_below_the_absolute_floor() -> None
     assert judged(layout, [2e-12, 4e-12, 2e-12], weights) == [("warning", 9, "body.0")]
     # a warning from the floor says so: the layers are no smaller than the others
     assert judged(layout, [2e-12, 4e-12, 2e-12], weights, messages=True) == [
-        "gradients of 3 layers ('body.0', 'body.1', 'head'; Linear) have vanished for 10 steps: RMS 1e-12 to "
+        "gradients of 3 layers (body.0, body.1, head; Linear) have vanished for 10 steps: RMS 1e-12 to "
         "2e-12, the smallest below the floor of 1e-10 (the median layer's is 1e-12)."]
     # grown past GATE, the head explains nothing
     assert judged(layout, [2e-12, 4e-12, 1.0], [1.0, 1.0, 0.2]) == [("warning", 9, "body.0")]

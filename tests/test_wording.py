@@ -3,6 +3,7 @@ names are quoted (gradwatch.wording, used by the detectors and the doctor)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 import gradwatch as gw
-from gradwatch.wording import layer, plural
+from gradwatch.wording import layer, listed, place, plural
 
 
 @pytest.mark.parametrize(("n", "noun", "nouns", "expected"), [
@@ -29,6 +30,46 @@ def test_plural(n: int, noun: str, nouns: str | None, expected: str) -> None:
 ])
 def test_layer_names_in_sentences(name: str | None, type_: str | None, expected: str) -> None:
     assert layer(name, type_) == expected
+
+
+def test_layers_listed_are_written_as_one_layer_is() -> None:
+    assert listed(["fc1", "fc2"]) == "fc1, fc2"
+    assert listed(["0", "2", "4"]) == "'0', '2', '4'"
+    assert listed([str(i) for i in range(0, 20, 2)]) == "'0', '2', '4' … '16', '18'"
+
+
+@pytest.mark.parametrize(("name", "phase", "source", "expected"), [
+    ("fc1", "backward", None, "fc1 (backward)"), ("fc1", None, "input", "fc1"), (None, "forward", "input",
+                                                                                 "the input batch"),
+    (None, None, "loss", "the loss"), (None, "forward", None, "global (forward)"), (None, None, None, "global"),
+])
+def test_a_finding_is_placed_in_one_wording(name: str | None, phase: str | None, source: str | None,
+                                            expected: str) -> None:
+    assert place(name, phase, source) == expected
+
+
+def test_every_detector_quotes_a_sequential_layer_alike(tmp_path: Path) -> None:
+    """A learning rate too high, then saturated Tanh layers: each message names '2' and '1' quoted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    gw.watch(model, run=tmp_path / "run", console=False, rules=None)
+    opt = torch.optim.Adam(model.parameters(), lr=3.0)
+    x = torch.randn(256, 4)
+    for _ in range(40):
+        i = torch.randint(0, 256, (32,))
+        loss = (model(x[i]) - x[i].sum(1, keepdim=True)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        gw.watcher(model).observe(loss=loss)
+        opt.step()
+    gw.unwatch(model)
+    with gw.open_run(tmp_path / "run") as run:
+        found = run.findings()
+    kinds = set(found["kind"])
+    assert {"learning_rate", "saturation"} <= kinds, found[["step", "kind", "message"]]
+    for message in found["message"]:
+        assert not re.search(r"(?<![\w'.])\d+(?: \(\w+\)|,| by)", message.split(" at step")[0]), message
+    assert any("learning rate too high for '2' (Linear)" in m for m in found["message"])
 
 
 def _train(model: nn.Module, run: Path, steps: int, lr: float, poison: int | None = None, **options: object) -> gw.Run:

@@ -12,6 +12,7 @@ from gradwatch.detectors.causes import EXPLOSION, LEVEL_LOSSES, LR_HIGH, LR_LOW,
 from gradwatch.detectors.gates import GATE
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import CLOSURE_EVALUATIONS, PARAM, StepRecord
+from gradwatch.wording import layer as layer_named
 
 HINT_HIGH = (
     "lower the learning rate (by 10x to start with) or add a warmup; with Adam-type optimizers the first "
@@ -184,7 +185,7 @@ class LearningRate(Detector):
             return []
         self.causes.note(LR_HIGH, record.step)
         at, median, top, largest = hot
-        name, type_ = record.layout.layers[top], record.layout.layer_types[top]
+        name, type_ = layer_named(record.layout.layers[top]), record.layout.layer_types[top]
         message = (f"learning rate too high for {name} ({type_}): the updates rewrite the weights (half of them move "
                    f"by {median:.2g}x or more per step at step {at}, {name} by {largest:.2g}x; healthy runs: ~1e-3) "
                    f"and the loss has stopped falling: {level:.4g} at step {record.step} (median of the last "
@@ -192,7 +193,7 @@ class LearningRate(Detector):
         data = {"direction": "high", "evidence": "update_ratio_no_progress", "update_ratio": largest,
                 "median": median, "at": at, "loss_level": level, "first": start, "lr": record.scalars.get("lr"),
                 "cause": "learning_rate", "hint": HINT_HIGH}
-        return [self.finding(record, "warning", name, message, value=median, data=data)]
+        return [self.finding(record, "warning", record.layout.layers[top], message, value=median, data=data)]
 
     def _lost_run(self, record: StepRecord) -> list[Finding]:
         """An error, once: the learning rate named too high, and the run diverged or never learned since."""
@@ -214,7 +215,7 @@ class LearningRate(Detector):
             return []
         self._lost = True
         layer = self._layer[1] if self._layer is not None and self._layer[0] == named else None
-        by = f" for {layer}" if layer is not None else ""
+        by = f" for {layer_named(layer)}" if layer is not None else ""
         if diverged:
             what = (f"the run has diverged since: the loss is {level:.4g} at step {record.step} (median of the last "
                     f"{LEVEL_LOSSES}), {level / start:.3g}x where it started ({start:.4g})")
@@ -252,7 +253,7 @@ class LearningRate(Detector):
         if self.causes.named(EXPLOSION, record.step, within=0):
             return []  # the gradient exploded on this step: its large update is the explosion's consequence
         self.causes.note(LR_HIGH, record.step)
-        name, type_ = record.layout.layers[top], record.layout.layer_types[top]
+        name, type_ = layer_named(record.layout.layers[top]), record.layout.layer_types[top]
         since = ""
         if jumped and lr is not None and self._prev_lr is not None:
             since = (f" after it was raised {lr / self._prev_lr:.3g}x ({self._prev_lr:.3g} -> {lr:.3g}) since the "
@@ -262,7 +263,7 @@ class LearningRate(Detector):
                    "it or add warmup.")
         data = {"direction": "high", "evidence": "update_ratio", "update_ratio": largest, "median": median,
                 "lr": lr, "cause": "learning_rate", "hint": HINT_HIGH}
-        return [self.finding(record, "warning", name, message, value=largest, data=data)]
+        return [self.finding(record, "warning", record.layout.layers[top], message, value=largest, data=data)]
 
     def _growth(self, record: StepRecord, weights: np.ndarray, raised: bool, own: bool) -> list[Finding]:
         """Parameter norms growing geometrically since the previous sampled step."""
@@ -291,13 +292,13 @@ class LearningRate(Detector):
             ordinary = prev[2] / np.sqrt(numel) > GATE
         top = int(np.argmax(np.where(ordinary, growths, -np.inf) if np.isfinite(growths[ordinary]).any() else growths))
         self.causes.note(LR_HIGH, record.step)
-        name, type_ = record.layout.layers[top], record.layout.layer_types[top]
+        name, type_ = layer_named(record.layout.layers[top]), record.layout.layer_types[top]
         message = (f"learning rate too high for {name} ({type_}): its weights grew {growths[top]:.3g}x in {steps} "
                    f"steps up to step {record.step} (the whole model's {factor:.3g}x; healthy runs change by a "
                    "few %); lower it or add warmup.")
         data = {"direction": "high", "evidence": "weight_growth", "growth": factor, "layer_growth": float(growths[top]),
                 "steps": steps, "lr": record.scalars.get("lr"), "cause": "learning_rate", "hint": HINT_HIGH}
-        return [self.finding(record, "warning", name, message, value=factor, data=data)]
+        return [self.finding(record, "warning", record.layout.layers[top], message, value=factor, data=data)]
 
     def _low(self, record: StepRecord, ratio: np.ndarray, moving: np.ndarray, lr: float | None) -> list[Finding]:
         largest = float(np.max(ratio[moving]))

@@ -271,16 +271,16 @@ class Vanishing(Detector):
                 continue
             self._told.add(p)
             scope = self._scopes.get(p)  # the module whose layers it was found to scale
-            where = f" in '{scope}'" if scope is not None else ""
+            where = f" in {_layer(scope)}" if scope is not None else ""
             first, least = layout.layers[named[0]], float(rms[named].min() / median)
-            listed = ", ".join(repr(layout.layers[i]) for i in named[:3]) + (", ..." if len(named) > 3 else "")
+            listed = ", ".join(_layer(layout.layers[i]) for i in named[:3]) + (", ..." if len(named) > 3 else "")
             which = (f"the gradient of {_layer(first, layout.layer_types[named[0]])} has" if len(named) == 1 else
                      f"the gradients of {plural(len(named), 'layer')}{where} ({listed}) have")
             them = "it" if len(named) == 1 else "them"
             low = (f"down to {least:.2g}x the median layer's RMS" if least < self.relative else
                    f"RMS down to {float(rms[named].min()):.3g}, below the floor of {self.absolute:g}")
             message = (f"{which} been small for {plural(self.patience, 'step')} ({low}) because "
-                       f"'{layout.params[p]}' scales {them} down: its RMS is "
+                       f"{_layer(layout.params[p])} scales {them} down: its RMS is "
                        f"{size:.3g}, small by design (a layer scale or a zero-initialised gate). Not judged as "
                        f"vanishing until it grows past {GATE:g}.")
             out.append(self.finding(record, "info", first, message, value=least,
