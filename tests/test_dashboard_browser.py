@@ -43,8 +43,9 @@ class Trainer(threading.Thread):
 
     def __init__(self, path: Path, pause: float) -> None:
         super().__init__(daemon=True)
+        # detect only: the model's learning rate wrecks it within ~30 steps, which the default rules halt
         self.model = gw.watch(make_model(odd_layer=True), run=path, console=False, tensorboard=False,
-                              flush_seconds=0.1)
+                              flush_seconds=0.1, rules=None)
         self.pause = pause
         self.halt = threading.Event()
         self.error: BaseException | None = None
