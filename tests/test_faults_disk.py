@@ -2,7 +2,7 @@
 returns, one warning says so, a finding is printed only once stored (or says it is not), and a run
 that finished reads ``finished``, marked incomplete when steps could not be kept.
 
-Two ways to fill the disk: a real 2 MB tmpfs under the run (where this process may mount one), and
+Two ways to fill the disk: a real 4 MB tmpfs under the run (where this process may mount one), and
 a connection of the store that reports SQLITE_FULL for a window of steps, which always runs.
 """
 
@@ -205,14 +205,14 @@ def test_a_write_that_finds_the_disk_full_raises_that_error_not_a_failed_rollbac
         assert r.steps == 1 and r.layers == ["a"]
 
 
-# ---------------------------------------------------------------- a real 2 MB filesystem
+# ------------------------------------------- a real 4 MB filesystem (room for a run, its events and its reserve)
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     if shutil.which("mount") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip("mounting a 2 MB tmpfs needs root and mount(8); the fault-injected tests cover the logic")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True,
+        pytest.skip("mounting a 4 MB tmpfs needs root and mount(8); the fault-injected tests cover the logic")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True,
                           text=True)
     if done.returncode != 0:
         pytest.skip(f"this process may not mount a tmpfs ({done.stderr.strip()}); the fault-injected tests "
