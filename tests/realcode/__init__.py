@@ -133,8 +133,9 @@ _NUMBER = re.compile(r"[-+]?\d+(?:\.(\d+))?(?:e([-+]?\d+))?")
 ANY = "{n}"
 
 
-def says(message: str, template: str) -> bool:
-    """Whether ``message`` starts with what ``template`` says, up to the float noise of a training run.
+def says(message: str, template: str, *, anywhere: bool = False) -> bool:
+    """Whether ``message`` starts with (``anywhere``: holds) what ``template`` says, up to the float noise of a
+    training run.
 
     A training run's figures differ between CPUs, thread counts and library versions. In ``template``,
     :data:`ANY` stands for any number; a decimal printed there agrees within 5% (or two units of its last
@@ -149,7 +150,7 @@ def says(message: str, template: str) -> bool:
         wanted.append(None if found.group(0) == ANY else found)
         at = found.end()
     parts.append(re.escape(template[at:]))
-    got = re.match("".join(parts), message)
+    got = (re.search if anywhere else re.match)("".join(parts), message)
     if got is None:
         return False
     for want, value in zip(wanted, got.groups()):
