@@ -13,9 +13,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from gradwatch.errors import ConfigError
 from gradwatch.store.findings import SEVERITIES, Finding, rank
-from gradwatch.store.records import StepRecord
+from gradwatch.store.records import LAYER, StepRecord, present
 from gradwatch.store.verdict import UNFINISHED
 
 
@@ -94,3 +96,18 @@ def tally(findings: Iterable[Finding], status: str) -> tuple[dict[str, int], str
         counts[f.severity] += int(f.data.get("repeats", 1))
     worst = max((s for s, n in counts.items() if n), key=rank, default=None)
     return counts, worst, counts["error"] > 0 or status in UNFINISHED
+
+
+def layer_points(rec: StepRecord, metric: str, vec: np.ndarray, keys: np.ndarray, nonfinite: set[str]) -> np.ndarray:
+    """The indices of one per-layer metric's values a remote tracker writes for ``rec``: those measured, and
+    of ``grad_nonfinite`` the non-zero counts and a 0 where the key's last written count was not 0 (a flat
+    zero series per layer is noise: the store keeps it). ``nonfinite``: the keys whose last written count
+    was not 0, kept up to date here.
+    """
+    shown = present(rec, LAYER, metric)
+    if metric == "grad_nonfinite":
+        back = shown & (vec == 0) & np.isin(keys, list(nonfinite))
+        nonfinite.difference_update(keys[back].tolist())
+        nonfinite.update(keys[shown & (vec != 0)].tolist())
+        shown &= (vec != 0) | back
+    return np.flatnonzero(shown)

@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 
 from gradwatch.errors import ConfigError, GradwatchWarning
-from gradwatch.sinks import tally
+from gradwatch.sinks import layer_points, tally
 from gradwatch.sinks.sending import Sender
 from gradwatch.store import resume
 from gradwatch.store.findings import Finding, rank
-from gradwatch.store.records import LAYER, StepRecord, present
+from gradwatch.store.records import LAYER, StepRecord
 from gradwatch.store.verdict import UNFINISHED
 
 log = logging.getLogger("gradwatch")
@@ -245,15 +245,8 @@ class MLflow:
         for (scope, metric), vec in rec.vectors.items():
             if scope != LAYER or (self._metrics is not None and metric not in self._metrics):
                 continue
-            shown = present(rec, scope, metric)
             found = self._layer_keys(rec, metric)
-            if metric == "grad_nonfinite":  # a flat zero series per layer is noise (the store keeps it): a
-                # layer's count is written where not 0, and as 0 where it was not 0 when last written
-                back = shown & (vec == 0) & np.isin(found, list(self._nonfinite))
-                self._nonfinite.difference_update(found[back].tolist())
-                self._nonfinite.update(found[shown & (vec != 0)].tolist())
-                shown &= (vec != 0) | back
-            index = np.flatnonzero(shown)
+            index = layer_points(rec, metric, vec, found, self._nonfinite)
             if len(index):
                 keys = found[index].tolist()
                 points += [(key, value, ms, rec.step) for key, value in zip(keys, vec[index].tolist())]

@@ -51,10 +51,10 @@ from typing import Any
 import numpy as np
 
 from gradwatch.errors import ConfigError
-from gradwatch.sinks import tally
+from gradwatch.sinks import layer_points, tally
 from gradwatch.store import resume
 from gradwatch.store.findings import Finding
-from gradwatch.store.records import LAYER, StepRecord, present
+from gradwatch.store.records import LAYER, StepRecord
 from gradwatch.store.verdict import UNFINISHED
 
 log = logging.getLogger("gradwatch")
@@ -225,15 +225,8 @@ class Wandb:
         for (scope, metric), vec in rec.vectors.items():
             if scope != LAYER or (self._metrics is not None and metric not in self._metrics):
                 continue
-            shown = present(rec, scope, metric)
             keys = self._layer_keys(rec, metric)
-            if metric == "grad_nonfinite":  # a flat zero series per layer is noise (the store keeps it): a
-                # layer's count is written where not 0, and as 0 where it was not 0 when last written
-                back = shown & (vec == 0) & np.isin(keys, list(self._nonfinite))
-                self._nonfinite.difference_update(keys[back].tolist())
-                self._nonfinite.update(keys[shown & (vec != 0)].tolist())
-                shown &= (vec != 0) | back
-            index = np.flatnonzero(shown)
+            index = layer_points(rec, metric, vec, keys, self._nonfinite)
             if len(index):
                 row.update(zip(keys[index].tolist(), vec[index].tolist()))
 
