@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from . import pool
-from .realcode import PAST_THE_HALT, check, controlnet, deit3, dit, lora, loud, says, summary, train, unwatched_aside
+from .realcode import PAST_THE_HALT, check, controlnet, deit3, dit, figures, lora, loud, summary, train, unwatched_aside
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,7 +86,8 @@ def test_lora_b_left_out_of_the_optimizer_is_named_at_step_0(tmp_path: Path) -> 
 def test_lora_lr_1000x_is_named_at_step_10(tmp_path: Path) -> None:
     found = loud(train(lora, tmp_path / "run", steps=12, lr_scale=1000))
     assert summary(found) == [("learning_rate", 10, "classifier", "warning")]
-    assert says(found[0]["message"], "its weights grew 2.94x in 10 steps up to step 10", anywhere=True), found[0]
+    grew = figures(found[0]["message"], "its weights grew {n}x in 10 steps up to step 10", anywhere=True)
+    assert grew and grew[0] >= 2, found[0]["message"]  # geometric growth: the detector's bar is 2x per 10 steps
 
 
 def test_deit3_lr_100x_is_named_then_failed_as_a_run_that_never_learned(tmp_path: Path) -> None:
