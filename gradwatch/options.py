@@ -37,6 +37,8 @@ class Options:
             norm, update ratio) are measured on steps that are multiples of it; a multiple of
             ``log_every``. ``None`` picks the smallest multiple of ``log_every`` that is >= 10.
         activations: take activation statistics with forward hooks on sampled steps.
+        attention: on sampled steps (eager), measure each attention call's largest logit and entropy
+            (``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, a softmax over attention logits).
         tensorboard: write TensorBoard event files into the run directory.
         overwrite: replace a finished run already stored in the run directory.
         resume: continue the run stored in the run directory (a job restarted from a checkpoint);
@@ -74,6 +76,7 @@ class Options:
     log_every: int = 1
     sample_every: int | None = None
     activations: bool = True
+    attention: bool = True
     tensorboard: bool = True
     overwrite: bool = False
     resume: bool = False
@@ -140,7 +143,7 @@ class Options:
             from gradwatch.detectors import build
 
             build(self.detectors)
-        for name in ("activations", "tensorboard", "overwrite", "resume", "origin", "console", "wandb_histograms"):
+        for name in ("activations", "attention", "tensorboard", "overwrite", "resume", "origin", "console", "wandb_histograms"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.resume and self.overwrite:

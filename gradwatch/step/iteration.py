@@ -114,6 +114,7 @@ class Iteration:
         #: further forward call before its backward pass (a rollout's) only adds a capture
         self.again = False
         self._activations = options.activations
+        self._attention = options.attention
         self.sentinel = 0
         #: the reference gradients' norms at the end of the last backward pass (:mod:`gradwatch.step.preclip`)
         self.refs: preclip.References | None = None
@@ -185,9 +186,12 @@ class Iteration:
             # ``torch.compile(watched)``: the graph about to be traced holds the leaves' hooks (as a compiled
             # model's does), switched on for sampled steps; registered only then, later graphs would lack them
             self.probe.keep_activation_hooks(self.found.leaf_modules)
-        if self._activations and not self.probe.collecting and (
-                steps.sampled(steps.step) or (self.carry is not None and steps.sampled(steps.step + 1))):
+        sampled = steps.sampled(steps.step) or (self.carry is not None and steps.sampled(steps.step + 1))
+        if self._activations and not self.probe.collecting and sampled:
             self.probe.attach_activations(self.found.leaf_modules)
+        if self._attention and sampled and not self.probe.keep_hooks and not self.probe.compiled_call() and \
+                not torch.compiler.is_compiling() and self.probe.in_watching_thread():
+            self.probe.attending.begin()  # the attention calls of this forward call (eager only)
         # the iteration has begun: until its backward pass (or the next step) a further forward call
         # changes nothing unless origin tracking captures it (a rollout's many calls cost next to nothing)
         self.probe.quiet, self.again = not captured, captured

@@ -33,6 +33,8 @@ from torch.utils.hooks import RemovableHandle
 
 from gradwatch.rootcause.state import first_tensor
 from gradwatch.step.activations import Collected, Reduced, Slot, outputs
+from gradwatch.step.attending import Attending
+from gradwatch.step.calls import recomputing, transformed
 from gradwatch.step.layout import bounds
 from gradwatch.watching import guard as entry
 from gradwatch.watching import register
@@ -107,6 +109,11 @@ class Probe:
         self.keep_hooks = False
         self._output_grad_hook = self._output_grad  # bound once: each output's hook is one partial of it
         self._leaves: list[tuple[int, nn.Module]] | None = None
+        #: the attention calls of sampled forward calls (see :mod:`gradwatch.step.attending`); none of a transform,
+        #: a recomputation, gradwatch's own replay or a call without gradients is the step's
+        self.attending = Attending(model, guard)
+        self.attending.skip = lambda: (self.paused or self.evaluating or not torch.is_grad_enabled() or transformed()
+                                       or recomputing())
 
     # ------------------------------------------------------------------ root
     def in_watching_thread(self) -> bool:
@@ -279,7 +286,7 @@ class Probe:
                 # later batched reduction is not traceable, and summed into the leaf's slot on the device
                 self.collected.accumulate(slot, out)
             elif not transformed():  # a call inside a backward pass is checkpointing's second run: counted once
-                self.collected.add(slot.index, out, slot.limits, recomputed=_recomputing())
+                self.collected.add(slot.index, out, slot.limits, recomputed=recomputing())
 
     def take_activations(self) -> list[Reduced]:
         """Hand over the activation statistics collected so far and start anew."""
@@ -301,6 +308,7 @@ class Probe:
         self.quiet = False  # the root's hooks back in place, so that their handles remove them
         self.keep_hooks = False
         self.detach_activations()
+        self.attending.close()
         for handle in self._sentinel:
             handle.remove()
         self._sentinel = []
@@ -308,22 +316,3 @@ class Probe:
             handle.remove()
         self._handles = []
         self._leave_optimizers()
-
-
-_FUNCTORCH = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)  # None: no transform
-
-
-def transformed() -> bool:
-    """Whether a ``torch.func`` transform runs the model now: no step's call; the hooks record nothing."""
-    return _FUNCTORCH is not None and _FUNCTORCH() is not None
-
-
-#: the backward pass running in this thread (-1: none), where torch tells it
-_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _recomputing() -> bool:
-    """Whether a forward call runs inside a backward pass: activation checkpointing recomputing a
-    segment (``torch.utils.checkpoint``), whose outputs the forward may have measured already.
-    """
-    return _GRAPH_TASK is not None and _GRAPH_TASK() != -1

@@ -15,6 +15,7 @@ from gradwatch.step import histograms, preclip, stats
 from gradwatch.step import observed as obs
 from gradwatch.step.measure import Launched
 from gradwatch.step.unmeasured import Unmeasured
+from gradwatch.store.records import ADAM_EPS, PARAM
 
 
 @dataclass
@@ -54,11 +55,19 @@ class Reading(Unmeasured):
         upd, late = (self.pending.update_parts, self.pending.late_parts()) if self.pending is not None else ([], [])
         hist = histograms.parts(self.found.params) if (sampled and self.options.wandb_histograms
                                                        and not launched.sharded) else []
-        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *ref_parts, *upd, *late, *hist])  # one read
+        attending = self.it.probe.attending
+        attn = attending.take() if sampled else attending.take() and []
+        attn_parts = [values for _, values in attn]
+        host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *ref_parts, *upd, *late, *attn_parts,
+                              *hist])  # one read
         held = None
         if hist:  # the histograms came last: the rest is read as ever
             n = histograms.size(self.found.params)
             host, held = host[:len(host) - n], histograms.read(host[len(host) - n:], self.found.layout.params)
+        attn_host = None
+        if attn_parts:  # then the attention statistics
+            n = sum(p.numel() for p in attn_parts)
+            host, attn_host = host[:len(host) - n], host[len(host) - n:]
         if launched.sharded and self.group is not None:  # FSDP: the shards' statistics make the model's
             spans = self.measure.spans(launched)
             if upd:
@@ -70,8 +79,14 @@ class Reading(Unmeasured):
         gnorm = host[:len(launched.gidx)]
         total = math.sqrt(float(gnorm @ gnorm)) if len(gnorm) else math.nan
         scalars = obs.scalars(observed, host[k:k + len(obs_parts)])
+        if attn_host is not None:
+            scalars.update(attending.scalars(attn, attn_host))
         vectors = self.measure.vectors(launched, host[:k], finite=math.isfinite(total),
                                        sound=math.isfinite(scalars.get("loss", 0.0)))
+        if sampled:  # the param groups' eps (plain floats) of the optimizers that divide by sqrt(v) + eps
+            eps = self.optimizers.adam_eps(len(self.found.params))
+            if eps is not None:
+                vectors[(PARAM, ADAM_EPS)] = eps
         k += len(obs_parts)
         if lr_parts:
             scalars["lr"], k = float(host[k]), k + 1
@@ -85,6 +100,7 @@ class Reading(Unmeasured):
         if sampled and not self.sampled(step + 1):
             self.it.probe.detach_activations()
         unmeasured = self.measure.findings(step, self.it.probe.collected.failed)  # said once each (info)
+        unmeasured += attending.findings(step)
         if unmeasured:
             self.judge.defer(unmeasured)
         # a finite total means finite norms; an infinite one may come from finite norms (overflow)

@@ -25,6 +25,9 @@ KINDS = (
     "unoptimized_parameter",
     "stale_gradient",
     "unmeasured",
+    "attention_logits",
+    "output_growth",
+    "adam_epsilon",
 )
 
 

@@ -44,6 +44,8 @@ KINDS = {
     "accumulated": "the sentinel parameter's post-accumulate-grad hook (a backward pass reached it)",
     "backward_end": "the autograd engine's callback at the end of a backward pass",
     "activation": "a leaf module's forward hook on a sampled step (activation statistics)",
+    "attention": "an attention call on a sampled step's forward pass (its logits' largest value and entropy)",
+    "attention_end": "the root module's forward hook that ends a sampled forward call's attention watch",
     "registration": "a submodule or parameter set on a module of the watched model (the layout may change)",
     "step_pre": "the optimizer step pre-hook (the step moment)",
     "step_post": "the optimizer step post-hook (the update is measured)",

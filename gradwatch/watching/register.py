@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch.optim import optimizer as torch_optim
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from gradwatch.errors import TrainingHalted, trimmed
@@ -40,9 +41,10 @@ def forward_pre(module: torch.nn.Module, hook: Hook, *, with_kwargs: bool = Fals
     return handle
 
 
-def forward(module: torch.nn.Module, hook: Hook, *, with_kwargs: bool = False) -> RemovableHandle:
-    """Register a forward hook of ``module``."""
-    handle = module.register_forward_hook(_checked(hook), with_kwargs=with_kwargs)
+def forward(module: torch.nn.Module, hook: Hook, *, with_kwargs: bool = False,
+            always_call: bool = False) -> RemovableHandle:
+    """Register a forward hook of ``module`` (``always_call``: also when its forward raises)."""
+    handle = module.register_forward_hook(_checked(hook), with_kwargs=with_kwargs, always_call=always_call)
     if with_kwargs:
         unpickled.note_extra(module._forward_hooks_with_kwargs, handle.id)
     return handle
@@ -51,6 +53,22 @@ def forward(module: torch.nn.Module, hook: Hook, *, with_kwargs: bool = False) -
 def put(module: torch.nn.Module, key: int, hook: Hook) -> None:
     """Put a forward hook in ``module``'s hooks under ``key`` (a key made once: no handle per step)."""
     module._forward_hooks[key] = _checked(hook)
+
+
+def push_mode(mode: TorchFunctionMode) -> None:
+    """Put a torch function mode on top of this thread's stack (its ``__torch_function__`` calls only guarded hooks)."""
+    mode.__enter__()
+
+
+def pop_mode(mode: TorchFunctionMode) -> bool:
+    """Take ``mode`` off this thread's stack if it is on top (a mode pushed after it and still there: left in
+    place, and False).
+    """
+    depth = torch._C._len_torch_function_stack()
+    if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not mode:
+        return False
+    mode.__exit__(None, None, None)
+    return True
 
 
 def every_module(pre: Hook, post: Hook) -> list[RemovableHandle]:
