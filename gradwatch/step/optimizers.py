@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+
+#: torch.optim's optimizers whose update divides by sqrt(v) + eps, v a running mean of squared gradients (RMSprop:
+#: unless ``centered``); Adagrad's v is a running sum, which grows with the steps: not one of them
+DIVIDING = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+            torch.optim.SparseAdam, torch.optim.RMSprop)
 
 
 @dataclass
@@ -17,6 +24,7 @@ class Entry:
 
     count: int  # parameters the optimizer held when indexed
     indices: list[int]  # the watched parameters' indices that it holds
+    groups: tuple[np.ndarray, ...] = ()  # the same, per param group
 
 
 class Optimizers:
@@ -51,7 +59,9 @@ class Optimizers:
             ours = [id(p) in self._index for p in held]
             if entry is not None or (any(ours) and not all(ours)):
                 self._grown()  # param groups added, or new parameters: the model may have changed with them
-            entry = Entry(count, [self._index[id(p)] for p in held if id(p) in self._index])
+            entry = Entry(count, [self._index[id(p)] for p in held if id(p) in self._index],
+                          tuple(np.array([self._index[id(p)] for p in g["params"] if id(p) in self._index],
+                                         dtype=np.int64) for g in opt.param_groups))
             known = opt in self._entries
             self._entries[opt] = entry
             if not known and entry.indices:
@@ -61,6 +71,39 @@ class Optimizers:
     def all(self) -> list[torch.optim.Optimizer]:
         """The optimizers seen stepping the model's parameters."""
         return [opt for opt, entry in list(self._entries.items()) if entry.indices]
+
+    def adam_eps(self, size: int) -> np.ndarray | None:
+        """Per watched parameter (``size`` of them), the ``eps`` of its param group in an optimizer whose update
+        divides by sqrt(v) + eps; NaN for the others; None when no such optimizer steps the model.
+
+        Those optimizers are torch.optim's Adam, AdamW, NAdam, RAdam, Adamax, SparseAdam and RMSprop (not
+        ``centered``), and any other whose param groups hold both ``eps`` and ``betas`` (apex's FusedAdam,
+        bitsandbytes' 8-bit Adam), except LAMB-type ones (the class name holds "lamb"), whose trust ratio rescales
+        the update whatever eps does. An ``eps`` that is not a Python float (a tensor, a tuple as Adafactor's) is
+        skipped. Plain Python on the param groups: no tensor is touched.
+        """
+        out = None
+        for opt, entry in list(self._entries.items()):
+            groups = opt.param_groups
+            if not entry.indices or len(groups) != len(entry.groups) or not _dividing(opt):
+                continue
+            for group, idx in zip(groups, entry.groups):
+                eps = group.get("eps")
+                if not len(idx) or not isinstance(eps, float) or not math.isfinite(eps) or eps < 0 \
+                        or group.get("centered"):
+                    continue
+                if out is None:
+                    out = np.full(size, np.nan, dtype=np.float32)
+                out[idx] = eps
+        return out
+
+
+def _dividing(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s update divides by sqrt(v) + eps (see :meth:`Optimizers.adam_eps`)."""
+    if isinstance(opt, DIVIDING):
+        return True
+    group = opt.param_groups[0] if opt.param_groups else {}
+    return "eps" in group and "betas" in group and "lamb" not in type(opt).__name__.lower()
 
 
 def closure_at(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | str | None:

@@ -29,6 +29,10 @@ CLOSURE_EVALUATIONS = "closure_evaluations"
 #: for how many steps in a row the gradients an optimizer step applies still held the previous step's
 #: (not cleared between the two: no ``zero_grad()``); recorded when it is not 0
 GRAD_STALE = "grad_stale_steps"
+#: per-parameter vector, on sampled steps: the ``eps`` of the param group that holds the parameter in an
+#: optimizer whose update divides by sqrt(v) + eps (the Adam family: see :meth:`Optimizers.adam_eps
+#: <gradwatch.step.optimizers.Optimizers.adam_eps>`); NaN for a parameter no such optimizer holds, absent without any
+ADAM_EPS = "adam_eps"
 
 #: the name of the root module among a run's layers
 ROOT = "(root)"
