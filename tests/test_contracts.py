@@ -15,6 +15,7 @@ from gradwatch.detectors import (
     exploding,
     loss_spike,
     nonfinite,
+    output_growth,
     saturation,
     stale_gradient,
     unused_parameter,
@@ -61,6 +62,10 @@ class TestUnusedParameter(DetectorContract):
 
 class TestStaleGradient(DetectorContract):
     detector = stale_gradient.StaleGradient
+
+
+class TestOutputGrowth(DetectorContract):
+    detector = output_growth.OutputGrowth
 
 
 class TestAmpOverflow(DetectorContract):

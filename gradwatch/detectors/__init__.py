@@ -32,6 +32,7 @@ def _registry() -> dict[str, type[Detector]]:
         learning_rate,
         loss_spike,
         nonfinite,
+        output_growth,
         saturation,
         stale_gradient,
         unoptimized_parameter,
@@ -55,6 +56,7 @@ def _registry() -> dict[str, type[Detector]]:
         zero_gradient.ZeroGradient,
         unoptimized_parameter.UnoptimizedParameter,
         stale_gradient.StaleGradient,
+        output_growth.OutputGrowth,
     ]
     return {cls.kind: cls for cls in classes}
 

@@ -166,6 +166,19 @@ KINDS: dict[str, Kind] = {
             "Gradients zeroed (zero_grad, a hook) between backward() and optimizer.step().",
         ),
     ),
+    "output_growth": Kind(
+        "Linear outputs growing",
+        "The outputs of linear layers (QKV projection, attention output projection, second MLP layer) grow on every "
+        "measured step without slowing down: the precursor of divergence at a too-high learning rate "
+        "(Rybakov et al. 2024).",
+        (
+            "Lower the learning rate, or lengthen its warmup.",
+            "Normalise the outputs of the QKV projection, the attention output projection and the second MLP layer "
+            "(qk-layernorm; Rybakov et al.'s QKV/Proj/FC2 norm), or cap the attention softmax's logits.",
+            "Add weight decay. Gradient clipping does not fix it: the weights grow by many small steps.",
+        ),
+        "act_norm",
+    ),
     "stale_gradient": Kind(
         "Gradients never cleared",
         "The gradients are not cleared between optimizer steps: backward adds to the previous steps' gradients, "
