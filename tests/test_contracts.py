@@ -10,6 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import gradwatch as gw
 from gradwatch.actions import clip, halt, rollback, scale_lr, skip, warn
 from gradwatch.detectors import (
+    adam_epsilon,
     amp_overflow,
     dead_units,
     exploding,
@@ -70,6 +71,10 @@ class TestOutputGrowth(DetectorContract):
 
 class TestAmpOverflow(DetectorContract):
     detector = amp_overflow.AmpOverflow
+
+
+class TestAdamEpsilon(DetectorContract):
+    detector = adam_epsilon.AdamEpsilon
 
 
 class TestWarn(ActionContract):

@@ -26,6 +26,7 @@ __all__ = ["REGISTRY", "Bound", "Detector", "build", "check_bounds", "check_type
 
 def _registry() -> dict[str, type[Detector]]:
     from gradwatch.detectors import (
+        adam_epsilon,
         amp_overflow,
         dead_units,
         exploding,
@@ -57,6 +58,7 @@ def _registry() -> dict[str, type[Detector]]:
         unoptimized_parameter.UnoptimizedParameter,
         stale_gradient.StaleGradient,
         output_growth.OutputGrowth,
+        adam_epsilon.AdamEpsilon,
     ]
     return {cls.kind: cls for cls in classes}
 

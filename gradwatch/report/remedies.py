@@ -189,6 +189,18 @@ KINDS: dict[str, Kind] = {
             "Accumulating over micro-batches on purpose: clear after each optimizer.step(), not never.",
         ),
     ),
+    "adam_epsilon": Kind(
+        "Adam's eps dominates the update",
+        "The gradients are at the scale of the optimizer's eps or below, so Adam's update lr * m / (sqrt(v) + eps) is "
+        "a small share of the learning rate: the model learns next to nothing (Wortsman et al. 2023).",
+        (
+            "Use a smaller eps: 1e-8 (the default), or 1e-10 and below when the optimizer's state is not held in "
+            "bf16/fp16; Wortsman et al. found eps down to 1e-15 safe for small models.",
+            "Rescale the loss so that the gradients are larger: check that it is not divided by a huge factor (a "
+            "mean taken twice, a sum over tokens divided by the batch and the length again, a tiny loss weight).",
+            "Raising the learning rate does not help: the update stays a fraction rms / (rms + eps) of it.",
+        ),
+    ),
     "unoptimized_parameter": Kind(
         "Parameter not optimized",
         "The parameter requires grad and gets gradients, but no optimizer changes it: it is in none of the "
