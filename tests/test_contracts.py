@@ -12,6 +12,7 @@ from gradwatch.actions import clip, halt, rollback, scale_lr, skip, warn
 from gradwatch.detectors import (
     adam_epsilon,
     amp_overflow,
+    attention_logits,
     dead_units,
     exploding,
     loss_spike,
@@ -75,6 +76,10 @@ class TestAmpOverflow(DetectorContract):
 
 class TestAdamEpsilon(DetectorContract):
     detector = adam_epsilon.AdamEpsilon
+
+
+class TestAttentionLogits(DetectorContract):
+    detector = attention_logits.AttentionLogits
 
 
 class TestWarn(ActionContract):

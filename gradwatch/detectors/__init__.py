@@ -28,6 +28,7 @@ def _registry() -> dict[str, type[Detector]]:
     from gradwatch.detectors import (
         adam_epsilon,
         amp_overflow,
+        attention_logits,
         dead_units,
         exploding,
         learning_rate,
@@ -58,6 +59,7 @@ def _registry() -> dict[str, type[Detector]]:
         unoptimized_parameter.UnoptimizedParameter,
         stale_gradient.StaleGradient,
         output_growth.OutputGrowth,
+        attention_logits.AttentionLogits,
         adam_epsilon.AdamEpsilon,
     ]
     return {cls.kind: cls for cls in classes}

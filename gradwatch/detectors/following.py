@@ -3,7 +3,8 @@
 The instability detectors (``attention_logits``, ``output_growth``, ``adam_epsilon``) name a mechanism
 before the loss shows it, as a warning. Once the loss follows -- its level (the median of its latest 5
 values, shared by the detectors through :class:`~gradwatch.detectors.causes.Causes`) rises ``RISE`` times
-above the lowest level it reached since the mechanism was named, or the loss turns NaN/Inf -- the same
+above the lowest level it reached since the mechanism was named and back at least ``SHARE`` of the way to
+where it started, or the loss turns NaN/Inf -- the same
 mechanism is an error: the run is now paying for it.
 """
 
@@ -17,6 +18,8 @@ from gradwatch.store.records import StepRecord
 
 #: the loss's level this many times the lowest it reached since the mechanism was named: the loss follows
 RISE = 1.5
+#: ... and back at least this share of the way from that lowest level to where the loss started
+SHARE = 0.25
 
 
 @dataclass
@@ -50,8 +53,10 @@ class Following:
         levels = causes.loss_levels()
         if levels is None or levels[2] < self.since:
             return None
-        level = levels[1]
+        start, level = levels[0], levels[1]
         self.lowest = min(self.lowest, level)
-        if level >= self.rise * self.lowest and level > 0:
+        # a rise that matters on the loss's own scale: back at least ``SHARE`` of the way from its lowest to where
+        # it started (a loss of 0.006 that a noisy batch lifts to 0.017 has not followed anything)
+        if level >= self.rise * self.lowest and level > 0 and level - self.lowest >= SHARE * (start - self.lowest):
             return self.lowest, level
         return None

@@ -166,6 +166,20 @@ KINDS: dict[str, Kind] = {
             "Gradients zeroed (zero_grad, a hook) between backward() and optimizer.step().",
         ),
     ),
+    "attention_logits": Kind(
+        "Attention logits growing",
+        "A layer's largest attention logit q·k/√d grows step after step and its attention collapses towards "
+        "one-hot: the precursor of a transformer's divergence (Dehghani et al. 2023; Wortsman et al. 2023).",
+        (
+            "Add qk-layernorm: a LayerNorm on the queries and the keys of each head removes attention logit growth "
+            "at the same learning rate.",
+            "Lower the learning rate, or lengthen its warmup.",
+            "Cap the logits: QK-clip (rescale W_q and W_k when the largest logit passes a bound such as 100, as "
+            "Kimi K2 does) or a soft cap, c*tanh(logits/c).",
+            "Restart from a checkpoint taken before the growth began once the loss has followed.",
+        ),
+        "grad_norm",
+    ),
     "output_growth": Kind(
         "Linear outputs growing",
         "The outputs of linear layers (QKV projection, attention output projection, second MLP layer) grow on every "
