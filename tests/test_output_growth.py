@@ -18,13 +18,15 @@ import gradwatch as gw
 from gradwatch.detectors.output_growth import OutputGrowth
 from gradwatch.store.records import LAYER, Layout, StepRecord
 
-LAYOUT = Layout(version=1, layers=("blocks.0.attn.c_attn", "blocks.0.act", "blocks.0.mlp.c_proj"),
-                layer_types=("Linear", "GELU", "Linear"), layer_numel=(4, 0, 4),
-                params=("blocks.0.attn.c_attn.weight", "blocks.0.mlp.c_proj.weight"), param_numel=(4, 4),
-                owners=((0, 0), (2, 1)), leaves=(0, 1, 2), trainable=(True, True))
+LAYOUT = Layout(version=1, layers=("blocks.0.attn.c_attn", "blocks.0.act", "blocks.0.mlp.c_proj", "lm_head"),
+                layer_types=("Linear", "GELU", "Linear", "Linear"), layer_numel=(4, 0, 4, 4),
+                params=("blocks.0.attn.c_attn.weight", "blocks.0.mlp.c_proj.weight", "lm_head.weight"),
+                param_numel=(4, 4, 4), owners=((0, 0), (2, 1), (3, 2)), leaves=(0, 1, 2, 3),
+                trainable=(True, True, True))
 
 
 def record(step: int, norms: list[float], *, loss: float = 1.0, layout: Layout = LAYOUT) -> StepRecord:
+    norms = [*norms, 30.0 * 1.5 ** (step / 10)]  # the output layer's logits grow as it grows confident: not judged
     return StepRecord(step=step, time=0.0, layout=layout, scalars={"loss": loss, "lr": 1e-2},
                       vectors={(LAYER, "act_norm"): np.asarray(norms, dtype=np.float32)}, sampled=True)
 

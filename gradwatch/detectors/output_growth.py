@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gradwatch.detectors.base import Bound, Detector
+from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.detectors.following import Following
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import StepRecord
@@ -49,11 +50,13 @@ class OutputGrowth(Detector):
 
     Healthy training grows these outputs too, early (from a small initialisation, under a warmup), but that
     growth slows down as it goes and levels off. Growth while the learning rate rose over the window (a warmup)
-    is the warmup's, not judged. Judged on Linear-type leaves (``Linear``, ``NonDynamicallyQuantizableLinear``,
-    Hugging Face's ``Conv1D``). The output norm is the L2 norm of the whole output: a batch whose size changes
-    changes it, so only a rise on every measurement in a row counts, never one jump. A step where a layer was
-    not measured (NaN) is left out of its history; a non-finite norm is ``nonfinite``'s and restarts it, as
-    renewed parameters (``Layout.renewed``) do.
+    is the warmup's, not judged, and so is growth within 100 steps of a learning rate named too high (that finding
+    names the cause). Judged on Linear-type leaves (``Linear``, ``NonDynamicallyQuantizableLinear``, Hugging
+    Face's ``Conv1D``) but the last in model order: the output layer, whose outputs are logits that grow as the
+    model grows confident (z-loss's subject, not this). The output norm is the L2 norm of the whole output: a
+    batch whose size changes changes it, so only a rise on every measurement in a row counts, never one jump. A
+    step where a layer was not measured (NaN) is left out of its history; a non-finite norm is ``nonfinite``'s
+    and restarts it, as renewed parameters (``Layout.renewed``) do.
 
     The layers that qualify on one step are one finding (warning), at the first of them in model order,
     naming them all (``data["layers"]``, ``data["count"]``); a layer is named once per rise. Once the loss
@@ -98,10 +101,11 @@ class OutputGrowth(Detector):
             self._lr[record.step] = lr
         keep = 2 * self.patience + 1
         found: list[tuple[int, float, float, int, float]] = []  # (leaf, from, to, from step, per step)
-        for i in layout.leaves:
+        judged = [i for i in layout.leaves if linear(layout.layer_types[i])]
+        for i in judged[:-1]:  # the last is the output layer: its outputs are logits, which grow as it grows confident
             name, value = layout.layers[i], float(norms[i])
-            if not linear(layout.layer_types[i]) or math.isnan(value):
-                continue  # not a linear layer, or not measured on this step
+            if math.isnan(value):
+                continue  # not measured on this step
             if not math.isfinite(value) or value <= 0:
                 self._forget(name)  # a NaN/Inf output is nonfinite's; an all-zero one has no scale
                 continue
@@ -119,7 +123,7 @@ class OutputGrowth(Detector):
                 self._told.add(name)
                 found.append((i, *judged))
         self._lr = {s: v for s, v in self._lr.items() if s >= record.step - 100 * keep}
-        if not found:
+        if not found or self.causes.named(LR_HIGH, record.step):  # a learning rate named too high explains it
             return []
         return [self._finding(record, found)]
 
