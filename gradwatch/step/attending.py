@@ -16,6 +16,7 @@ A layer whose statistics torch cannot compute is left out from then on, said onc
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -42,7 +43,7 @@ class Attending:
     """The attention statistics of one watched model's sampled forward calls."""
 
     def __init__(self, model: nn.Module, guard: Guard) -> None:
-        self._model = model
+        self._model = weakref.ref(model)  # an unwatched model is freed, whatever still holds its watcher's parts
         self._guard = guard
         self._mode = attention.Watching(guard.hook("attention", self._seen))
         self._end = guard.hook("attention_end", self._ended)
@@ -72,9 +73,12 @@ class Attending:
         self._names = None  # the model as it is now (a head swapped since the last sampled step)
         if self._stranded:
             self._stranded = not register.pop_mode(self._mode)
+        model = self._model()
+        if model is None:
+            return
         if not self._stranded:
             register.push_mode(self._mode)
-        self._handle = register.forward(self._model, self._end, always_call=True)
+        self._handle = register.forward(model, self._end, always_call=True)
         self._on = True
 
     def _ended(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -99,8 +103,11 @@ class Attending:
     def _seen(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], frame: Any) -> None:
         if not self._on or (self.skip is not None and self.skip()):
             return
+        model = self._model()
+        if model is None:
+            return
         if self._names is None:
-            self._names = attention.module_names(self._model, ROOT)
+            self._names = attention.module_names(model, ROOT)
         layer = attention.calling_module(self._names, frame)
         if layer is None or layer in self.failed:
             return
