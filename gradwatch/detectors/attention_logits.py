@@ -42,7 +42,8 @@ class AttentionLogits(Detector):
     times what it was ``span`` steps before (its first measured value in a younger run), and rose on each
     of the last ``patience`` sampled steps: it grows fast and is still growing (a pretrained model whose
     logits sit high but steady is not judged, nor a logit that grew and stopped, nor the slow growth of a
-    long healthy run; nor within 100 steps of a learning rate named too high, which explains it). It names the head, how far the logit moved (from its first value, by how
+    long healthy run; nor within 100 steps of a learning rate named too high, which explains it). It names
+    the head, how far the logit moved (from its first value, by how
     much per step over the latest sampled steps), and the head with the lowest mean attention entropy
     (nats; near 0 is one-hot attention). Layers that cross at one step are one finding, at the first of
     them. An error, once per layer, when the loss then follows (its level ``Following``'s 1.5x above its
