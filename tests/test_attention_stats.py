@@ -212,3 +212,28 @@ def test_attention_false_measures_nothing(tmp_path: Path) -> None:
     opt.step()
     gw.watcher(model).close()
     assert not [c for c in gw.open_run(tmp_path / "run").scalars().columns if str(c).startswith("attn")]
+
+
+@pytest.mark.slow  # importing transformers
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_hugging_face_model_records_each_attention_module(implementation: str, tmp_path: Path) -> None:
+    """GPT-2 from a config: its ``eager`` attention's softmax and its ``sdpa`` call each belong to ``h.N.attn``
+    (Hugging Face's attention functions are handed the module)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16,
+                                     attn_implementation=implementation)
+    model = transformers.GPT2LMHeadModel(config)
+    gw.watch(model, run=tmp_path / "run", console=False, sample_every=1)
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    x = torch.randint(0, 50, (2, 12))
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    gw.watcher(model).close()
+    scalars = gw.open_run(tmp_path / "run").scalars()
+    layers = sorted(str(c).split("/", 1)[1] for c in scalars.columns if str(c).startswith("attn_logit_max/"))
+    assert layers == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    entropy = scalars["attn_entropy/transformer.h.0.attn"].dropna()
+    assert len(entropy) == 2 and ((entropy > 0.5) & (entropy < math.log(12))).all()
