@@ -267,6 +267,40 @@ class Config:
     batch: int = 32
     weight_decay: float = 0.1
     bf16: bool = False  # train under torch.autocast("cpu", dtype=torch.bfloat16)
+    noise: float = 0.0  # each repeated token is replaced by a random one with this probability (irreducible loss)
+    lr_start: float | None = None  # if set: warm up to this learning rate, hold it, then ramp to the peak lr
+    hold: int = 0  # steps at lr_start after the warm-up
+    ramp: int = 0  # steps of the linear ramp from lr_start to the peak lr
+
+
+def noisy_induction_batch(generator: torch.Generator, batch: int, seq_len: int, vocab: int,
+                          noise: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`induction_batch` whose repeated tokens are each replaced, with probability ``noise``, by a random
+    token (those the loss scores), so that the loss on the repeat cannot reach 0 and the gradients
+    do not vanish once the task is learned; ``noise`` 0 is :func:`induction_batch` itself."""
+    x, y, mask = induction_batch(generator, batch, seq_len, vocab)
+    if not noise:
+        return x, y, mask
+    tokens = torch.cat([x, y[:, -1:]], dim=1)
+    swap = torch.rand(tokens.shape, generator=generator) < noise
+    swap[:, : seq_len // 2 + 1] = False
+    tokens = torch.where(swap, torch.randint(0, vocab, tokens.shape, generator=generator), tokens)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask
+
+
+def lr_factor(config: Config, lr: float, warmup: int, step: int) -> float:
+    """The learning rate of ``step`` over the peak ``lr``: a linear warm-up over ``warmup`` steps to ``lr``, or,
+    with ``config.lr_start``, to ``lr_start``, held ``config.hold`` steps, then ramped linearly over
+    ``config.ramp`` steps to ``lr`` (the model learns at the low rate, then meets the high one); then constant."""
+    if config.lr_start is None:
+        return min(1.0, (step + 1) / max(1, warmup))
+    low = config.lr_start / lr
+    if step < warmup:
+        return low * (step + 1) / warmup
+    step -= warmup + config.hold
+    if step < 0:
+        return low
+    return low + (1.0 - low) * min(1.0, (step + 1) / max(1, config.ramp))
 
 
 @dataclass
@@ -312,7 +346,7 @@ def train(config: Config, steps: int, lr: float, warmup: int = 10, seed: int = 0
         block.attn.record = True
     gen = torch.Generator().manual_seed(seed + 1_000_003)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(config, lr, warmup, s))
     gw, run_dir, tmp = None, None, None
     if watch is not None:
         import gradwatch as gw  # noqa: PLC0415 -- only when watched
@@ -332,7 +366,7 @@ def train(config: Config, steps: int, lr: float, warmup: int = 10, seed: int = 0
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if config.bf16 else contextlib.nullcontext()
     try:
         for step in range(steps):
-            x, y, mask = induction_batch(gen, config.batch, config.seq_len, config.vocab)
+            x, y, mask = noisy_induction_batch(gen, config.batch, config.seq_len, config.vocab, config.noise)
             with amp:
                 logits = model(x)
                 loss = loss_fn(logits, y, mask, config.z_loss)
