@@ -237,3 +237,26 @@ def test_a_hugging_face_model_records_each_attention_module(implementation: str,
     assert layers == ["transformer.h.0.attn", "transformer.h.1.attn"]
     entropy = scalars["attn_entropy/transformer.h.0.attn"].dropna()
     assert len(entropy) == 2 and ((entropy > 0.5) & (entropy < math.log(12))).all()
+
+
+def test_a_model_without_attention_runs_without_the_mode_after_three_sampled_steps(tmp_path: Path) -> None:
+    class Spy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch._C._len_torch_function_stack())
+            return x
+
+    seen: list[int] = []
+    model = nn.Sequential(nn.Linear(4, 4), Spy(), nn.Linear(4, 1))
+    gw.watch(model, run=tmp_path / "run", console=False, sample_every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(5):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model[2] = Block("sdpa", d=4, heads=2)  # a swapped head that attends: looked for again
+    for _ in range(2):
+        model(torch.randn(2, 3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    gw.watcher(model).close()
+    assert seen == [1, 1, 1, 0, 0, 1, 1]

@@ -11,7 +11,9 @@ them (:meth:`Attending.take`), reads them with everything else in its one host r
 - ``attn_entropy/<layer>``: the lowest mean attention entropy (nats) of any head (the mean over the calls);
 - ``attn_entropy_head/<layer>``: that head.
 
-A layer whose statistics torch cannot compute is left out from then on, said once (``unmeasured``).
+A layer whose statistics torch cannot compute is left out from then on, said once (``unmeasured``). After
+``QUIET_AFTER`` sampled forward calls in a row without an attention call, the mode stays off the stack (a CNN
+or an MLP pays nothing) until the model changes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from gradwatch.store.records import ROOT
 from gradwatch.watching import register
 from gradwatch.watching.guard import Guard
 
+#: sampled forward calls in a row without an attention call after which the mode stays off the stack (a model with
+#: no attention pays nothing) until the model changes (:meth:`Attending.renew`)
+QUIET_AFTER = 3
 #: the scalars recorded per attention layer, in the order :meth:`Attending.scalars` makes them
 METRICS = ("attn_logit_max", "attn_logit_head", "attn_entropy", "attn_entropy_head")
 
@@ -52,6 +57,8 @@ class Attending:
         self._stranded = False
         #: a sampled forward call runs (the mode measures only then)
         self._on = False
+        #: sampled forward calls in a row that made no attention call; the calls seen in the one running
+        self._none, self._made = 0, 0
         self._names: dict[int, str] | None = None
         #: each layer's calls since the last take: one tensor each (see :func:`gradwatch.step.attention.stats`)
         self.calls: dict[str, list[torch.Tensor]] = {}
@@ -68,7 +75,7 @@ class Attending:
 
     def begin(self) -> None:
         """A sampled forward call begins: watch its attention calls until it ends."""
-        if self._handle is not None:
+        if self._handle is not None or self._none >= QUIET_AFTER:
             return
         self._names = None  # the model as it is now (a head swapped since the last sampled step)
         if self._stranded:
@@ -79,7 +86,7 @@ class Attending:
         if not self._stranded:
             register.push_mode(self._mode)
         self._handle = register.forward(model, self._end, always_call=True)
-        self._on = True
+        self._on, self._made = True, 0
 
     def _ended(self, module: nn.Module, args: Any, output: Any) -> None:
         self.end()
@@ -90,9 +97,14 @@ class Attending:
         self._on = False
         if handle is None:
             return
+        self._none = 0 if self._made else self._none + 1
         handle.remove()
         if not self._stranded:
             self._stranded = not register.pop_mode(self._mode)
+
+    def renew(self) -> None:
+        """The model changed (a submodule set, a layer swapped): look for attention calls again."""
+        self._none = 0
 
     def close(self) -> None:
         """The watch closes: the mode leaves the stack (if it was left under another mode, when that one left)."""
@@ -116,8 +128,10 @@ class Attending:
         except Exception as exc:  # a dtype, layout or shape torch does not reduce so: this layer is left out
             text = str(exc).splitlines()[0] if str(exc) else ""
             self.failed[layer] = f"{type(exc).__name__}: {text}"[:200]
+            self._made += 1
             return
-        if values is not None:
+        if values is not None:  # an attention call (a softmax over anything else is none)
+            self._made += 1
             self.calls.setdefault(layer, []).append(values)
 
     def take(self) -> list[tuple[str, torch.Tensor]]:

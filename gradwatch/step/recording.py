@@ -233,6 +233,7 @@ class Recording:
         self.changes.follow(found)
         self.optimizers.reindex(found.params)
         self.it.relayout(found)
+        self.it.probe.attending.renew()  # a swapped block may attend: look again
 
     def retrain(self, trainable: tuple[bool, ...]) -> None:
         """Only which parameters require grad changed: a new version of the same layout, measured as it was
