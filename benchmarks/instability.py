@@ -9,9 +9,15 @@ the same learning rate, and a z-loss (``1e-4 * logsumexp(logits)^2``) keeps the 
 The proxy: a small pre-LN causal decoder (:class:`Decoder`: token and learned position embeddings, blocks of
 ``x + attn(ln1(x))`` and ``x + mlp(ln2(x))``, a final LayerNorm, an LM head; nanoGPT-like module names) on a
 synthetic task that needs an induction head (:func:`induction_batch`: random tokens, then the same tokens
-again; the loss only on the repeat), trained with AdamW (betas 0.9/0.95, weight decay 0.1, batch 32) under a
-linear warm-up then a constant learning rate (no decay: the instability should not be rescued by a schedule
-that shrinks the step).
+again; the loss only on the repeat; :func:`noisy_induction_batch`: each repeated token replaced by a random one
+with probability ``noise``, so that the loss cannot reach 0 and the gradients never vanish), trained with AdamW
+(betas 0.9/0.95, weight decay 0.1, batch 32). The sweep's schedule (:func:`lr_factor`) is the one under which
+a proxy first learns and then meets a too-high learning rate, as a long run whose schedule outgrows its
+stability does: a linear warm-up to 3e-3, held 150 steps (the model learns the task there), then a linear
+ramp over 50 steps to the peak learning rate, constant after (no decay: the instability should not be rescued
+by a schedule that shrinks the step). At a constant high learning rate from the start the proxy never learns
+at all (its logits explode while its loss stays at ln(vocab)); on the plain copy task it learns to ~0 and then
+nothing can diverge.
 
 Each step the harness itself records the ground truth (:func:`attention_stats`, under ``torch.no_grad``, from
 the q and k the model's forward pass actually used): per layer the largest attention logit ``q.k * scale``
@@ -25,14 +31,15 @@ Loss-only baselines, reimplemented here (no Lightning or OLMo at run time):
 - :func:`sigma_step`: a 6-sigma detector over the last 128 losses, after OLMo-core's StabilityMonitor;
 - :func:`divergence_step`: the reference, when the run has diverged for good.
 
-``main()`` sweeps learning rates x {plain, qk-layernorm, z-loss, qk-layernorm + z-loss} x seeds (and one
+``main()`` sweeps peak learning rates x {plain, qk-layernorm, z-loss, qk-layernorm + z-loss} x seeds (and one
 ``--attention`` kind: ``sdpa``, ``manual`` or ``mha``), each run watched by gradwatch (``rules=None``: detect
-and record only, so a finding never stops the run) unless ``--no-watch``, and prints one row per run: the
-divergence step, each baseline's first flag, gradwatch's first warning (any kind, and of the
-attention/output-growth/Adam-epsilon kinds), the lead time (divergence - gradwatch's first warning) and, for
-runs that do not diverge, the false alarms (warning/error findings). ``--trajectory`` prints the per-layer
-attention statistics and log Z every 10 steps; ``--bf16`` trains under ``torch.autocast("cpu", bfloat16)``;
-``--json FILE`` writes every result.
+and record only, so a finding never stops the run) unless ``--no-watch``, and prints one row per run: its
+outcome (``diverged``, ``never learned``, ``learned``: :func:`outcome`), the divergence step, each baseline's
+first flag, gradwatch's first warning (any kind, and of the mechanism kinds: attention logits, output growth,
+Adam's epsilon), the lead time (divergence - gradwatch's first warning), the warnings, and the false alarms:
+the warnings of a healthy or mitigated run (peak learning rate up to ``--healthy``, or qk-layernorm) that learned
+and did not diverge. ``--trajectory`` prints the per-layer attention statistics and log Z every 10 steps;
+``--bf16`` trains under ``torch.autocast("cpu", bfloat16)``; ``--json FILE`` writes every result.
 
 Run: ``python benchmarks/instability.py --quick`` (seconds), or the default sweep (minutes, single thread).
 """
@@ -466,11 +473,12 @@ def sigma_step(losses: Sequence[float], window: int = 128, sigmas: float = 6.0, 
 def divergence_step(losses: Sequence[float], factor: float = 2.0) -> int | None:
     """The first step from which the run has diverged for good, or None.
 
-    Step ``s`` is the divergence step if the loss there is non-finite, or above ``threshold(s) = max(L0,
-    factor x min(loss[0..s]))`` (``L0`` the first loss: worse than an untrained model, and over twice the best
-    so far), and every later loss is also non-finite or above ``threshold(s)``: the run never comes back.
-    A run whose last few losses rise is, by this rule, diverged from there (a rise at the very end cannot be
-    told from a divergence); a temporary spike that recovers is not a divergence.
+    Step ``s`` is the divergence step if the loss there is non-finite, or above ``threshold(s) = factor x
+    min(loss[0..s])`` (over twice the best so far), and every later loss is also non-finite or above
+    ``threshold(s)``: the run never comes back. A run that learned and fell back to an untrained model's loss
+    (its attention collapsed: the uniform prediction's ln(vocab)) has diverged; a run that never learned has
+    not (its best is its start). A run whose last few losses rise is, by this rule, diverged from there (a
+    rise at the very end cannot be told from a divergence); a temporary spike that recovers is not.
     """
     if not losses:
         return None
@@ -480,7 +488,7 @@ def divergence_step(losses: Sequence[float], factor: float = 2.0) -> int | None:
     for loss in losses:
         if math.isfinite(loss):
             best = min(best, loss)
-        thresholds.append(max(first, factor * best) if math.isfinite(first) else -math.inf)
+        thresholds.append(factor * best if math.isfinite(first) else -math.inf)
     # walking backwards: the smallest finite loss from each step to the end
     tail_min = math.inf
     tail = [math.inf] * len(losses)
@@ -504,16 +512,36 @@ def first_warning(findings: list[dict[str, Any]] | None, kinds: Sequence[str] | 
     return min(steps) if steps else None
 
 
-def summarize(result: Result) -> dict[str, Any]:
-    """The table row of one run (also stored in ``result.summary``)."""
+#: a run whose best loss is at least this share of its first never learned
+NEVER_LEARNED = 0.9
+
+
+def outcome(losses: Sequence[float]) -> str:
+    """``diverged`` (:func:`divergence_step`), ``never learned`` (its best loss at least ``NEVER_LEARNED`` of its
+    first) or ``learned``."""
+    finite = [v for v in losses if math.isfinite(v)]
+    if divergence_step(losses) is not None:
+        return "diverged"
+    if not finite or min(finite) >= NEVER_LEARNED * losses[0]:
+        return "never learned"
+    return "learned"
+
+
+def summarize(result: Result, judged: bool = False) -> dict[str, Any]:
+    """The table row of one run (also stored in ``result.summary``). ``judged``: a healthy or mitigated run
+    (a healthy learning rate, or qk-layernorm), whose warnings, if it learned and did not diverge, are false
+    alarms."""
     div = divergence_step(result.losses)
     warn = first_warning(result.findings)
     warn_attn = first_warning(result.findings, ATTENTION_KINDS)
-    alarms = None
-    if result.findings is not None and div is None:
-        alarms = sum(f.get("severity") in ("warning", "error") for f in result.findings)
+    ended = outcome(result.losses)
+    warnings = None if result.findings is None else sum(
+        f.get("severity") in ("warning", "error") for f in result.findings)
+    alarms = warnings if judged and ended == "learned" else None
     finite = [v for v in result.losses if math.isfinite(v)]
     row = {
+        "outcome": ended,
+        "warnings": warnings,
         "divergence": div,
         "spike_detection": spike_detection_step(result.losses),
         "sigma6": sigma_step(result.losses),
@@ -556,12 +584,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the sweep, print the table, return (and with ``--json`` write) every result."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lrs", default="1e-3,1e-2,3e-2,1e-1", help="comma-separated peak learning rates")
+    parser.add_argument("--lrs", default="1e-2,3e-2,1e-1,3e-1", help="comma-separated peak learning rates")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--attention", default="sdpa", choices=("sdpa", "manual", "mha"))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=50, help="steps of linear warm-up (to --lr-start, if given)")
+    parser.add_argument("--noise", type=float, default=0.2,
+                        help="share of the repeated tokens replaced by random ones (0: the plain copy task)")
+    parser.add_argument("--lr-start", type=float, default=3e-3,
+                        help="the learning rate the model learns at before the ramp to the peak (0: none)")
+    parser.add_argument("--hold", type=int, default=150, help="steps at --lr-start after the warm-up")
+    parser.add_argument("--ramp", type=int, default=50, help="steps of the linear ramp to the peak")
+    parser.add_argument("--healthy", type=float, default=1e-2,
+                        help="peak learning rates up to this are healthy ones: their warnings are false alarms")
+    parser.add_argument("--seeds", default="0,1", help="comma-separated seeds")
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
@@ -569,42 +605,47 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--bf16", action="store_true", help='train under torch.autocast("cpu", dtype=bfloat16)')
     parser.add_argument("--no-watch", action="store_true", help="train without gradwatch")
     parser.add_argument("--trajectory", action="store_true", help="print per-layer statistics every 10 steps")
-    parser.add_argument("--quick", action="store_true", help="2 learning rates, plain and qk_ln, 60 steps")
+    parser.add_argument("--quick", action="store_true", help="the lowest and highest learning rate, plain and "
+                        "qk_ln, seed 0, 60 steps, no ramp (seconds)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write every result here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     lrs = [float(v) for v in args.lrs.split(",")]
     configs = [c for c in args.configs.split(",") if c]
-    steps = args.steps
+    seeds = [int(v) for v in args.seeds.split(",") if v]
+    steps, lr_start = args.steps, args.lr_start or None
     if args.quick:
-        lrs, configs, steps = [lrs[0], lrs[-1]], ["plain", "qk_ln"], 60
+        lrs, configs, seeds, steps, lr_start = [lrs[0], lrs[-1]], ["plain", "qk_ln"], [0], 60, None
     if args.attention == "mha":
         skipped = [c for c in configs if CONFIGS[c][0]]
         configs = [c for c in configs if not CONFIGS[c][0]]
         if skipped:
             print(f"(mha: no qk-layernorm; skipping {', '.join(skipped)})")
-    header = ["config", "lr", "seed", "diverge", "spike10", "6sigma", "gw_warn", "gw_attn", "lead", "lead_attn",
-              "false_al", "best", "final", "peak_logit", "min_ent", "s"]
-    print(f"attention={args.attention} steps={steps} warmup={args.warmup} bf16={args.bf16} "
+    header = ["config", "lr", "seed", "outcome", "diverge", "spike10", "6sigma", "gw_first", "gw_mech", "lead",
+              "lead_mech", "warnings", "false_al", "best", "final", "peak_logit", "s"]
+    schedule = (f"warmup {args.warmup} to {lr_start:g}, held {args.hold}, ramp {args.ramp} to the peak"
+                if lr_start else f"warmup {args.warmup} to the peak")
+    print(f"attention={args.attention} steps={steps} noise={args.noise} {schedule} bf16={args.bf16} "
           f"watch={not args.no_watch}")
-    print(" ".join(f"{h:>11}" for h in header))
+    print(" ".join(f"{h:>10}" for h in header))
     results = []
     for lr in lrs:
         for name in configs:
             qk, z = CONFIGS[name]
-            for seed in range(args.seeds):
+            for seed in seeds:
                 config = Config(qk_layernorm=qk, z_loss=z, attention=args.attention, vocab=args.vocab,
                                 seq_len=args.seq_len, batch=args.batch, weight_decay=args.weight_decay,
-                                bf16=args.bf16)
+                                bf16=args.bf16, noise=args.noise, lr_start=lr_start, hold=args.hold,
+                                ramp=args.ramp)
                 result = train(config, steps, lr, warmup=args.warmup, seed=seed,
                                watch=None if args.no_watch else {"rules": None})
-                row = summarize(result)
-                cells = [name, lr, seed, row["divergence"], row["spike_detection"], row["sigma6"],
+                row = summarize(result, judged=qk or lr <= args.healthy)
+                cells = [name, lr, seed, row["outcome"], row["divergence"], row["spike_detection"], row["sigma6"],
                          row["gw_first_warning"], row["gw_first_attn_warning"], row["lead"], row["lead_attn"],
-                         row["false_alarms"], row["best_loss"], row["final_loss"], row["peak_max_logit"],
-                         row["low_min_entropy"], row["seconds"]]
-                print(" ".join(f"{_fmt(c):>11}" for c in cells), flush=True)
+                         row["warnings"], row["false_alarms"], row["best_loss"], row["final_loss"],
+                         row["peak_max_logit"], row["seconds"]]
+                print(" ".join(f"{_fmt(c):>10}" for c in cells), flush=True)
                 if args.trajectory:
                     print("\n".join(trajectory_lines(name, result)), flush=True)
                 results.append(({"name": name}, result))

@@ -49,7 +49,12 @@ def test_a_nan_is_a_spike_to_both(bench) -> None:
 
 def test_the_divergence_step(bench) -> None:
     assert bench.divergence_step([4.0, 3.0, 1.0, 0.5, float("nan"), float("nan")]) == 4
-    assert bench.divergence_step([4.0, 3.0, 1.0, 0.5, 3.0, 7.0, 9.0, 8.0]) == 5  # above max(4, 2 x 0.5) for good
+    assert bench.divergence_step([4.0, 3.0, 1.0, 0.5, 3.0, 7.0, 9.0, 8.0]) == 4  # above 2 x 0.5 for good
+    assert bench.divergence_step([4.2, 2.0, 1.3, 1.3, 4.2, 4.19, 4.21]) == 4  # learned, then back to the start
+    assert bench.divergence_step([4.2, 4.19, 4.21, 4.2, 4.18]) is None  # never learned: no divergence
+    assert bench.outcome([4.2, 4.19, 4.21, 4.2, 4.18]) == "never learned"
+    assert bench.outcome([4.2, 2.0, 1.3, 1.3, 4.2, 4.19, 4.21]) == "diverged"
+    assert bench.outcome([4.2, 2.0, 1.3, 1.2]) == "learned"
     assert bench.divergence_step([4.0, 3.0, 1.0, 0.5, 9.0, 0.6, 0.5, 0.4]) is None  # a spike that recovers
     assert bench.divergence_step([4.0, 3.0, 1.0, 0.5, 0.45, 0.4, 0.42]) is None
 
