@@ -36,10 +36,11 @@ Loss-only baselines, reimplemented here (no Lightning or OLMo at run time):
 and record only, so a finding never stops the run) unless ``--no-watch``, and prints one row per run: its
 outcome (``diverged``, ``never learned``, ``learned``: :func:`outcome`), the divergence step, each baseline's
 first flag, gradwatch's first warning (any kind, and of the mechanism kinds: attention logits, output growth,
-Adam's epsilon), the lead time (divergence - gradwatch's first warning), the warnings, and the false alarms:
-the warnings of a healthy or mitigated run (peak learning rate up to ``--healthy``, or qk-layernorm) that learned
-and did not diverge. ``--trajectory`` prints the per-layer attention statistics and log Z every 10 steps;
-``--bf16`` trains under ``torch.autocast("cpu", bfloat16)``; ``--json FILE`` writes every result.
+Adam's epsilon), the lead time (divergence - gradwatch's first warning), the warnings, and of a healthy or
+mitigated run (peak learning rate up to ``--healthy``, or qk-layernorm) that learned and did not diverge the
+false alarms -- the mechanisms' warnings -- and the kinds of its other warnings. ``--trajectory`` prints the
+per-layer attention statistics and log Z every 10 steps; ``--bf16`` trains under ``torch.autocast("cpu",
+bfloat16)``; ``--json FILE`` writes every result.
 
 Run: ``python benchmarks/instability.py --quick`` (seconds), or the default sweep (minutes, single thread).
 """
@@ -535,9 +536,10 @@ def summarize(result: Result, judged: bool = False) -> dict[str, Any]:
     warn = first_warning(result.findings)
     warn_attn = first_warning(result.findings, ATTENTION_KINDS)
     ended = outcome(result.losses)
-    warnings = None if result.findings is None else sum(
-        f.get("severity") in ("warning", "error") for f in result.findings)
-    alarms = warnings if judged and ended == "learned" else None
+    loud = [f for f in result.findings or [] if f.get("severity") in ("warning", "error")]
+    warnings = None if result.findings is None else len(loud)
+    judge = judged and ended == "learned" and result.findings is not None
+    alarms = sum(f["kind"] in ATTENTION_KINDS for f in loud) if judge else None
     finite = [v for v in result.losses if math.isfinite(v)]
     row = {
         "outcome": ended,
@@ -549,7 +551,8 @@ def summarize(result: Result, judged: bool = False) -> dict[str, Any]:
         "gw_first_attn_warning": warn_attn,
         "lead": (div - warn) if div is not None and warn is not None else None,
         "lead_attn": (div - warn_attn) if div is not None and warn_attn is not None else None,
-        "false_alarms": alarms,
+        "false_alarms": alarms,  # the mechanisms' warnings on a healthy or mitigated run that learned
+        "other_warnings": sorted({f["kind"] for f in loud if f["kind"] not in ATTENTION_KINDS}) if judge else None,
         "kinds": sorted({f["kind"] for f in result.findings or [] if f.get("severity") in ("warning", "error")}),
         "final_loss": result.losses[-1] if result.losses else None,
         "best_loss": min(finite) if finite else None,
@@ -623,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if skipped:
             print(f"(mha: no qk-layernorm; skipping {', '.join(skipped)})")
     header = ["config", "lr", "seed", "outcome", "diverge", "spike10", "6sigma", "gw_first", "gw_mech", "lead",
-              "lead_mech", "warnings", "false_al", "best", "final", "peak_logit", "s"]
+              "lead_mech", "warnings", "false_mech", "best", "final", "peak_logit", "s", "other"]
     schedule = (f"warmup {args.warmup} to {lr_start:g}, held {args.hold}, ramp {args.ramp} to the peak"
                 if lr_start else f"warmup {args.warmup} to the peak")
     print(f"attention={args.attention} steps={steps} noise={args.noise} {schedule} bf16={args.bf16} "
@@ -644,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 cells = [name, lr, seed, row["outcome"], row["divergence"], row["spike_detection"], row["sigma6"],
                          row["gw_first_warning"], row["gw_first_attn_warning"], row["lead"], row["lead_attn"],
                          row["warnings"], row["false_alarms"], row["best_loss"], row["final_loss"],
-                         row["peak_max_logit"], row["seconds"]]
+                         row["peak_max_logit"], row["seconds"], ",".join(row["other_warnings"] or []) or None]
                 print(" ".join(f"{_fmt(c):>10}" for c in cells), flush=True)
                 if args.trajectory:
                     print("\n".join(trajectory_lines(name, result)), flush=True)

@@ -45,14 +45,14 @@ def judge(detector: OutputGrowth, series: list[float], *, every: int = 10, losse
 
 
 def test_sustained_compounding_growth_is_found_once() -> None:
-    series = [50.0 * (1 + 0.02 * (k % 3)) for k in range(8)] + [50.0 * 1.3 ** k for k in range(1, 14)]
+    series = [50.0 * (1 + 0.02 * (k % 3)) for k in range(8)] + [50.0 * 1.45 ** k for k in range(1, 14)]
     found = judge(OutputGrowth(), series)
     assert len(found) == 1
     (f,) = found
     assert (f.kind, f.severity, f.layer) == ("output_growth", "warning", "blocks.0.mlp.c_proj")
     assert f.data["layers"] == ["blocks.0.mlp.c_proj"] and f.data["count"] == 1
     assert f.data["growth"] >= 4.0 and f.data["to"] > f.data["from"]
-    assert f.data["per_step"] == pytest.approx(1.3 ** 0.1, rel=0.05)
+    assert f.data["per_step"] == pytest.approx(1.45 ** 0.1, rel=0.05)
     assert "Rybakov" in f.message and "per 10 steps" in f.message
 
 
@@ -68,14 +68,14 @@ def test_growth_under_a_rising_learning_rate_is_the_warmups() -> None:
     detector = OutputGrowth()
     found = []
     for k in range(20):
-        rec = record(k * 10, [100.0, 1.0, 50.0 * 1.3 ** k])
+        rec = record(k * 10, [100.0, 1.0, 50.0 * 1.45 ** k])
         rec.scalars["lr"] = 1e-4 * (k + 1)  # a linear warmup over the whole window
         found += detector.check(rec)
     assert found == []
 
 
 def test_unmeasured_steps_are_skipped_and_a_fall_ends_the_rise() -> None:
-    series = [50.0 * 1.3 ** k for k in range(20)]
+    series = [50.0 * 1.45 ** k for k in range(20)]
     with_gaps = []
     for value in series:
         with_gaps += [value, math.nan]  # the layer not called on every other sampled step
@@ -86,7 +86,7 @@ def test_unmeasured_steps_are_skipped_and_a_fall_ends_the_rise() -> None:
 
 def test_renewed_weights_restart_the_history() -> None:
     detector = OutputGrowth()
-    series = [50.0 * 1.3 ** k for k in range(12)]
+    series = [50.0 * 1.45 ** k for k in range(12)]
     judge(detector, series[:8])
     renewed = Layout(**{**LAYOUT.__dict__, "version": 2, "renewed": (2,)})
     for k, value in enumerate(series[8:], start=8):  # without the restart these would complete the window
@@ -94,7 +94,7 @@ def test_renewed_weights_restart_the_history() -> None:
 
 
 def test_the_loss_that_follows_makes_it_an_error_once() -> None:
-    series = [50.0 * 1.3 ** k for k in range(30)]
+    series = [50.0 * 1.45 ** k for k in range(30)]
     losses = [2.0 - 0.01 * k for k in range(12)] + [2.0 * 1.4 ** k for k in range(18)]
     found = judge(OutputGrowth(), series, every=1, losses=losses)
     severities = [f.severity for f in found]

@@ -71,7 +71,7 @@ class OutputGrowth(Detector):
     kind = "output_growth"
     bounds = {"patience": Bound(2), "growth": Bound(1, open_low=True)}
     patience: int = 4
-    growth: float = 8.0
+    growth: float = 16.0
     #: per layer: its latest measurements (step, log of the output norm), oldest first
     _history: dict[str, deque[tuple[int, float]]] = field(default_factory=dict, init=False, repr=False)
     _told: set[str] = field(default_factory=set, init=False, repr=False)  # layers named during their current rise
