@@ -81,3 +81,20 @@ def test_non_finite_and_unsampled_values_are_not_judged() -> None:
     detector = AttentionLogits()
     assert run(detector, {"a": [math.nan, math.inf, math.nan]}) == []
     assert detector.check(record(1, {"a": 1e6}, sampled=False)) == []
+
+
+def test_the_report_shows_the_layers_logits_around_the_finding() -> None:
+    """An attention module owns no parameters, so it is no layer of the run: the report's evidence for the
+    finding is its ``attn_logit_max/<layer>`` scalar, on the sampled steps before the finding."""
+    import pandas as pd
+
+    from gradwatch.report.items import Item, spark
+
+    scalars = pd.DataFrame({"attn_logit_max/blocks.0.attn": [1.0, None, 8.0, None, 60.0, None],
+                            "grad_norm": [1.0] * 6}, index=[0, 5, 10, 15, 20, 25])
+    item = Item(index=0, step=20, kind="attention_logits", severity="warning", layer="blocks.0.attn", phase=None,
+                message="", action=None, hint=None, repeats=0, last_step=None, outcome=None, evidence=[], related=[],
+                restored_step=None)
+    shown = spark(None, item, scalars)  # type: ignore[arg-type]  # the run is read for layers only
+    assert shown is not None and shown.label == "attn_logit_max of blocks.0.attn"
+    assert shown.steps.tolist() == [0, 10, 20] and shown.values.tolist() == [1.0, 8.0, 60.0] and shown.step == 20

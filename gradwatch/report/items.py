@@ -145,11 +145,18 @@ def card_order(items: list[Item]) -> list[Item]:
 
 def spark(run: Run, item: Item, scalars: pd.DataFrame) -> Spark | None:
     """The series that shows a finding: its kind's metric for its layer around its step (the flight
-    recorder keeps those steps at full resolution), else the layer's gradient norm, else the global
+    recorder keeps those steps at full resolution; a scalar ``<metric>/<layer>`` where the statistic is one per
+    layer that is no layer of the run, as an attention module's logits), else the layer's gradient norm, else the global
     gradient norm (or the loss, for a loss spike); None when nothing was recorded there.
     """
     kind = explain(item.kind)
     lo, hi = max(0, item.step - SPARK_BEFORE), item.step + SPARK_AFTER + 1
+    own = f"{kind.metric}/{item.layer}"  # a statistic recorded as a scalar per layer (attention logits)
+    if item.layer is not None and own in scalars:
+        window = scalars[own].loc[lo:hi - 1].dropna()
+        if len(window) and np.isfinite(window.to_numpy(dtype=np.float64)).any():
+            return Spark(f"{kind.metric} of {item.layer}", window.index.to_numpy(), window.to_numpy(dtype=np.float64),
+                         item.step, kind.log)
     if item.layer is not None and kind.metric != "loss":
         for metric in dict.fromkeys((kind.metric, "grad_norm")):
             try:

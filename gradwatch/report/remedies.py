@@ -178,7 +178,7 @@ KINDS: dict[str, Kind] = {
             "Kimi K2 does) or a soft cap, c*tanh(logits/c).",
             "Restart from a checkpoint taken before the growth began once the loss has followed.",
         ),
-        "grad_norm",
+        "attn_logit_max",
     ),
     "output_growth": Kind(
         "Linear outputs growing",
