@@ -143,7 +143,8 @@ class Options:
             from gradwatch.detectors import build
 
             build(self.detectors)
-        for name in ("activations", "attention", "tensorboard", "overwrite", "resume", "origin", "console", "wandb_histograms"):
+        for name in ("activations", "attention", "tensorboard", "overwrite", "resume", "origin", "console",
+                     "wandb_histograms"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.resume and self.overwrite:
