@@ -1,4 +1,4 @@
-"""Small-scale proxies of transformer training instability, and how early each detector sees them (issue 36).
+"""Small-scale proxies of transformer training instability, and how early each detector sees them.
 
 Wortsman et al. 2023 ("Small-scale proxies for large-scale Transformer training instabilities"),
 Dehghani et al. 2023 and Zhai et al. 2023 ("attention entropy collapse"): at a too-high learning rate the
@@ -553,6 +553,7 @@ def summarize(result: Result, judged: bool = False) -> dict[str, Any]:
         "lead_attn": (div - warn_attn) if div is not None and warn_attn is not None else None,
         "false_alarms": alarms,  # the mechanisms' warnings on a healthy or mitigated run that learned
         "other_warnings": sorted({f["kind"] for f in loud if f["kind"] not in ATTENTION_KINDS}) if judge else None,
+        "first_kind": next((f["kind"] for f in sorted(loud, key=lambda f: f["step"])), None),
         "kinds": sorted({f["kind"] for f in result.findings or [] if f.get("severity") in ("warning", "error")}),
         "final_loss": result.losses[-1] if result.losses else None,
         "best_loss": min(finite) if finite else None,
@@ -626,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if skipped:
             print(f"(mha: no qk-layernorm; skipping {', '.join(skipped)})")
     header = ["config", "lr", "seed", "outcome", "diverge", "spike10", "6sigma", "gw_first", "gw_mech", "lead",
-              "lead_mech", "warnings", "false_mech", "best", "final", "peak_logit", "s", "other"]
+              "lead_mech", "warnings", "false_mech", "best", "final", "peak_logit", "s", "first_kind", "other"]
     schedule = (f"warmup {args.warmup} to {lr_start:g}, held {args.hold}, ramp {args.ramp} to the peak"
                 if lr_start else f"warmup {args.warmup} to the peak")
     print(f"attention={args.attention} steps={steps} noise={args.noise} {schedule} bf16={args.bf16} "
@@ -647,7 +648,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 cells = [name, lr, seed, row["outcome"], row["divergence"], row["spike_detection"], row["sigma6"],
                          row["gw_first_warning"], row["gw_first_attn_warning"], row["lead"], row["lead_attn"],
                          row["warnings"], row["false_alarms"], row["best_loss"], row["final_loss"],
-                         row["peak_max_logit"], row["seconds"], ",".join(row["other_warnings"] or []) or None]
+                         row["peak_max_logit"], row["seconds"], row["first_kind"],
+                         ",".join(row["other_warnings"] or []) or None]
                 print(" ".join(f"{_fmt(c):>10}" for c in cells), flush=True)
                 if args.trajectory:
                     print("\n".join(trajectory_lines(name, result)), flush=True)

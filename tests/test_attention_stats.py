@@ -260,3 +260,19 @@ def test_a_model_without_attention_runs_without_the_mode_after_three_sampled_ste
         opt.zero_grad()
     gw.watcher(model).close()
     assert seen == [1, 1, 1, 0, 0, 1, 1]
+
+
+def test_calls_with_more_heads_count_where_a_module_also_makes_a_single_head_softmax(tmp_path: Path) -> None:
+    class Twice(Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = x.shape[1]
+            F.softmax(torch.zeros(1, t, t), dim=-1)  # a square single-head softmax of its own: logits of 0
+            return super().forward(x * 10)
+
+    model = nn.Sequential(nn.Linear(32, 32), Twice("sdpa"))
+    gw.watch(model, run=tmp_path / "run", console=False, sample_every=1)
+    model(torch.randn(2, 6, 32)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    gw.watcher(model).close()
+    scalars = gw.open_run(tmp_path / "run").scalars()
+    assert scalars["attn_logit_max/1"].iloc[0] > 1.0  # the 4-head call's, not the single-head one's 0

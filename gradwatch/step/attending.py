@@ -6,7 +6,8 @@ when the forward raises). Each attention call adds one small tensor to its layer
 them (:meth:`Attending.take`), reads them with everything else in its one host read, and records per layer
 (the module that runs the call, :func:`~gradwatch.step.attention.calling_module`), on that sampled step:
 
-- ``attn_logit_max/<layer>``: the largest attention logit of any head (the largest over the step's calls);
+- ``attn_logit_max/<layer>``: the largest attention logit of any head (the largest over the step's calls; of
+  calls with different numbers of heads, those with the most);
 - ``attn_logit_head/<layer>``: the head that holds it (its index; 0 where the heads are not told apart);
 - ``attn_entropy/<layer>``: the lowest mean attention entropy (nats) of any head (the mean over the calls);
 - ``attn_entropy_head/<layer>``: that head.
@@ -136,13 +137,13 @@ class Attending:
 
     def take(self) -> list[tuple[str, torch.Tensor]]:
         """Each layer's statistics since the last take, one tensor per layer: per head the largest logit
-        of its calls, then the mean of their entropies (calls of another number of heads than the first
-        are left out); nothing is read here.
+        of its calls, then the mean of their entropies; of calls with different numbers of heads (a module
+        that also makes a single-head softmax), those with the most heads; nothing is read here.
         """
         calls, self.calls = self.calls, {}
         out = []
         for layer, values in calls.items():
-            size = values[0].numel()
+            size = max(v.numel() for v in values)
             same = torch.stack([v for v in values if v.numel() == size]) if len(values) > 1 else values[0][None]
             heads = size // 2
             out.append((layer, torch.cat([same[:, :heads].amax(0), same[:, heads:].mean(0)])))
