@@ -11,7 +11,14 @@ from gradwatch.detectors.base import Bound, Detector
 from gradwatch.detectors.causes import LR_HIGH
 from gradwatch.detectors.following import Following
 from gradwatch.store.findings import Finding
-from gradwatch.store.records import StepRecord
+from gradwatch.store.records import (
+    ATTN_ENTROPY,
+    ATTN_ENTROPY_HEAD,
+    ATTN_LOGIT_HEAD,
+    ATTN_LOGIT_MAX,
+    StepRecord,
+    layer_scalar,
+)
 
 HINT = (
     "add qk-layernorm (a LayerNorm on the queries and the keys of each head: it removes attention logit growth at "
@@ -19,14 +26,13 @@ HINT = (
     "W_q and W_k when the largest logit passes a bound such as 100, as Kimi K2 does; or a soft cap, "
     "c*tanh(logits/c))"
 )
-PREFIX = "attn_logit_max/"
+PREFIX = layer_scalar(ATTN_LOGIT_MAX, "")
 
 
 @dataclass
 class _Layer:
     """One attention layer's measurements on sampled steps."""
 
-    first: tuple[int, float]  # the first sampled step measured and its largest logit
     recent: list[tuple[int, float]] = field(default_factory=list)  # (step, largest logit) over the last ``span``
     warned: bool = False
     following: Following = field(default_factory=Following)
@@ -43,7 +49,7 @@ class AttentionLogits(Detector):
     of the last ``patience`` sampled steps: it grows fast and is still growing (a pretrained model whose
     logits sit high but steady is not judged, nor a logit that grew and stopped, nor the slow growth of a
     long healthy run; nor within 100 steps of a learning rate named too high, which explains it). It names
-    the head, how far the logit moved (from its first value, by how
+    the head, how far the logit moved (from its value ``span`` steps before, by how
     much per step over the latest sampled steps), and the head with the lowest mean attention entropy
     (nats; near 0 is one-hot attention). Layers that cross at one step are one finding, at the first of
     them. An error, once per layer, when the loss then follows (its level ``Following``'s 1.5x above its
@@ -76,7 +82,7 @@ class AttentionLogits(Detector):
             layer = name[len(PREFIX):]
             state = self._layers.get(layer)
             if state is None:
-                self._layers[layer] = _Layer(first=(record.step, value), recent=[(record.step, value)])
+                self._layers[layer] = _Layer(recent=[(record.step, value)])
                 continue
             state.recent = [(s, v) for s, v in state.recent if s >= record.step - self.span] + [(record.step, value)]
             if not state.warned and self._growing(state) and not self.causes.named(LR_HIGH, record.step):
@@ -99,9 +105,9 @@ class AttentionLogits(Detector):
         step0, first = state.recent[0]
         (earlier, before), (now_step, now) = state.recent[-(self.patience + 1)], state.recent[-1]
         per_step = (now / before) ** (1 / max(1, now_step - earlier)) if before > 0 else math.inf
-        head = record.scalars.get(f"attn_logit_head/{layer}")
-        entropy = record.scalars.get(f"attn_entropy/{layer}")
-        low_head = record.scalars.get(f"attn_entropy_head/{layer}")
+        head = record.scalars.get(layer_scalar(ATTN_LOGIT_HEAD, layer))
+        entropy = record.scalars.get(layer_scalar(ATTN_ENTROPY, layer))
+        low_head = record.scalars.get(layer_scalar(ATTN_ENTROPY_HEAD, layer))
         where = f"`{layer}`" + (f", head {int(head)}" if head is not None else "")
         collapse = ""
         if entropy is not None and math.isfinite(entropy):

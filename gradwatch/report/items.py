@@ -14,6 +14,7 @@ from gradwatch.report.text import fmt
 from gradwatch.rootcause import words
 from gradwatch.store.findings import rank
 from gradwatch.store.reader import Run
+from gradwatch.store.records import layer_scalar
 from gradwatch.wording import place
 
 #: findings explained one by one (all are listed in the table)
@@ -151,8 +152,8 @@ def spark(run: Run, item: Item, scalars: pd.DataFrame) -> Spark | None:
     """
     kind = explain(item.kind)
     lo, hi = max(0, item.step - SPARK_BEFORE), item.step + SPARK_AFTER + 1
-    own = f"{kind.metric}/{item.layer}"  # a statistic recorded as a scalar per layer (attention logits)
-    if item.layer is not None and own in scalars:
+    own = layer_scalar(kind.metric, item.layer) if item.layer is not None else None
+    if own is not None and own in scalars:  # a statistic recorded as a scalar per layer (attention logits)
         window = scalars[own].loc[lo:hi - 1].dropna()
         if len(window) and np.isfinite(window.to_numpy(dtype=np.float64)).any():
             return Spark(f"{kind.metric} of {item.layer}", window.index.to_numpy(), window.to_numpy(dtype=np.float64),

@@ -29,20 +29,13 @@ from torch.utils.hooks import RemovableHandle
 
 from gradwatch.step import attention
 from gradwatch.store.findings import Finding
-from gradwatch.store.records import ROOT
+from gradwatch.store.records import ATTN_ENTROPY, ATTN_ENTROPY_HEAD, ATTN_LOGIT_HEAD, ATTN_LOGIT_MAX, ROOT, layer_scalar
 from gradwatch.watching import register
 from gradwatch.watching.guard import Guard
 
 #: sampled forward calls in a row without an attention call after which the mode stays off the stack (a model with
 #: no attention pays nothing) until the model changes (:meth:`Attending.renew`)
 QUIET_AFTER = 3
-#: the scalars recorded per attention layer, in the order :meth:`Attending.scalars` makes them
-METRICS = ("attn_logit_max", "attn_logit_head", "attn_entropy", "attn_entropy_head")
-
-
-def scalar(metric: str, layer: str) -> str:
-    """The name of an attention scalar of a layer (``attn_logit_max/blocks.0.attn``)."""
-    return f"{metric}/{layer}"
 
 
 class Attending:
@@ -50,7 +43,6 @@ class Attending:
 
     def __init__(self, model: nn.Module, guard: Guard) -> None:
         self._model = weakref.ref(model)  # an unwatched model is freed, whatever still holds its watcher's parts
-        self._guard = guard
         self._mode = attention.Watching(guard.hook("attention", self._seen))
         self._end = guard.hook("attention_end", self._ended)
         self._handle: RemovableHandle | None = None
@@ -68,11 +60,6 @@ class Attending:
         self._said: set[str] = set()
         #: a call outside any forward of the watched model (an attention call made in a backward pass) is none
         self.skip: Any = None
-
-    @property
-    def active(self) -> bool:
-        """Whether the mode is on the stack now."""
-        return self._on
 
     def begin(self) -> None:
         """A sampled forward call begins: watch its attention calls until it ends."""
@@ -151,7 +138,9 @@ class Attending:
 
     @staticmethod
     def scalars(taken: list[tuple[str, torch.Tensor]], host: np.ndarray) -> dict[str, float]:
-        """The scalars (:data:`METRICS`) of what :meth:`take` gave, from ``host``: their values, in order."""
+        """The attention scalars (``attn_*``: see :data:`gradwatch.store.records.ATTN_LOGIT_MAX`) of what
+        :meth:`take` gave, from ``host``: their values, in order.
+        """
         out: dict[str, float] = {}
         k = 0
         for layer, values in taken:
@@ -162,12 +151,12 @@ class Attending:
             if not len(largest) or np.isnan(largest).all():
                 continue
             top = int(np.nanargmax(largest))
-            out[scalar("attn_logit_max", layer)] = float(largest[top])
-            out[scalar("attn_logit_head", layer)] = float(top)
+            out[layer_scalar(ATTN_LOGIT_MAX, layer)] = float(largest[top])
+            out[layer_scalar(ATTN_LOGIT_HEAD, layer)] = float(top)
             if not np.isnan(entropy).all():
                 low = int(np.nanargmin(entropy))
-                out[scalar("attn_entropy", layer)] = float(entropy[low])
-                out[scalar("attn_entropy_head", layer)] = float(low)
+                out[layer_scalar(ATTN_ENTROPY, layer)] = float(entropy[low])
+                out[layer_scalar(ATTN_ENTROPY_HEAD, layer)] = float(low)
         return out
 
     def findings(self, step: int) -> list[Finding]:
@@ -181,5 +170,5 @@ class Attending:
                 kind="unmeasured", severity="info", step=step, layer=layer,
                 message=f"gradwatch cannot compute `{layer}`'s attention logits ({why}): they are left out for "
                         "this layer from now on; everything else is watched.",
-                data={"metric": "attn_logit_max", "why": why}))
+                data={"metric": ATTN_LOGIT_MAX, "why": why}))
         return out

@@ -25,6 +25,7 @@ through untouched; the mode is on the stack for the sampled forward call only.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
@@ -181,10 +182,8 @@ _MEASURES: dict[str, Callable[[tuple[Any, ...], dict[str, Any]], torch.Tensor | 
 
 def measure(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """One attention call's statistics, launched on the device: no gradient, no autocast."""
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        if torch.cuda.is_available():
-            with torch.autocast("cuda", enabled=False):
-                return _MEASURES[kind](args, kwargs)
+    cuda = torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
+    with torch.no_grad(), torch.autocast("cpu", enabled=False), cuda:
         return _MEASURES[kind](args, kwargs)
 
 

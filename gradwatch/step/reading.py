@@ -56,7 +56,8 @@ class Reading(Unmeasured):
         hist = histograms.parts(self.found.params) if (sampled and self.options.wandb_histograms
                                                        and not launched.sharded) else []
         attending = self.it.probe.attending
-        attn = attending.take() if sampled else attending.take() and []
+        attn = attending.take()
+        attn = attn if sampled else []  # (none are made on an unsampled step's forward call)
         attn_parts = [values for _, values in attn]
         host = stats.to_host([*launched.parts, *obs_parts, *lr_parts, *ref_parts, *upd, *late, *attn_parts,
                               *hist])  # one read

@@ -33,11 +33,21 @@ GRAD_STALE = "grad_stale_steps"
 #: optimizer whose update divides by sqrt(v) + eps (the Adam family: see :meth:`Optimizers.adam_eps
 #: <gradwatch.step.optimizers.Optimizers.adam_eps>`); NaN for a parameter no such optimizer holds, absent without any
 ADAM_EPS = "adam_eps"
+#: scalars per attention module, on sampled steps (:mod:`gradwatch.step.attending`), each named
+#: :func:`layer_scalar` (``attn_logit_max/blocks.0.attn``): the largest attention logit of any head, the head holding
+#: it, the lowest mean attention entropy (nats) of any head, and that head
+ATTN_LOGIT_MAX, ATTN_LOGIT_HEAD = "attn_logit_max", "attn_logit_head"
+ATTN_ENTROPY, ATTN_ENTROPY_HEAD = "attn_entropy", "attn_entropy_head"
 
 #: the name of the root module among a run's layers
 ROOT = "(root)"
 LAYER = "layer"
 PARAM = "param"
+
+
+def layer_scalar(metric: str, layer: str) -> str:
+    """The name of a scalar recorded per layer, for a module that is no layer of the run (an attention module)."""
+    return f"{metric}/{layer}"
 
 
 @dataclass(frozen=True)
