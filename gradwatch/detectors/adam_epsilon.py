@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from gradwatch.detectors.base import Bound, Detector
+from gradwatch.detectors.base import Bound, Detector, weighted_median
 from gradwatch.detectors.following import Following
 from gradwatch.store.findings import Finding
 from gradwatch.store.records import ADAM_EPS, PARAM, StepRecord
@@ -112,7 +112,7 @@ class AdamEpsilon(Detector):
         weights = size[idx]
         moving = rms > 0
         if moving.any():
-            median = _weighted_median(rms[moving], weights[moving])
+            median = weighted_median(rms[moving], weights[moving])
             if math.isnan(self._rms0):
                 self._rms0 = median
             converged = median < CONVERGED * self._rms0
@@ -187,10 +187,3 @@ class AdamEpsilon(Detector):
                    f"{data['eps']:.3g}: updates {data['shrink']:.3g} of the learning rate), named at step "
                    f"{warned['step']}, and {what}: the model is not learning; use a smaller eps or rescale the loss.")
         return [self.finding(record, "error", warned["layer"], message, value=data["shrink"], data=data)]
-
-
-def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
-    """The value that half of the total weight is at or above (each layer counted by its parameters)."""
-    order = np.argsort(values)
-    cum = np.cumsum(weights[order])
-    return float(values[order][min(int(np.searchsorted(cum, 0.5 * cum[-1])), len(cum) - 1)])

@@ -90,3 +90,10 @@ def median(values: np.ndarray) -> float:
     ordered = np.sort(values)
     n = len(ordered)
     return float(0.5 * (ordered[(n - 1) // 2] + ordered[n // 2]))
+
+
+def weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """The value that half of the total weight is at or above (each layer counted by its parameters)."""
+    order = np.argsort(values)
+    cum = np.cumsum(weights[order])
+    return float(values[order][min(int(np.searchsorted(cum, 0.5 * cum[-1])), len(cum) - 1)])

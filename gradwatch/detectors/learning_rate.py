@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.detectors.base import Bound, Detector
+from gradwatch.detectors.base import Bound, Detector, weighted_median
 from gradwatch.detectors.causes import EXPLOSION, LEVEL_LOSSES, LR_HIGH, LR_LOW, QUIET_STEPS, RAISED
 from gradwatch.detectors.gates import GATE
 from gradwatch.store.findings import Finding
@@ -172,7 +172,7 @@ class LearningRate(Detector):
         """Updates far beyond any healthy run's, with a loss that has stopped falling."""
         if measured.any():
             idx = np.flatnonzero(measured)
-            median = _weighted_median(ratio[idx], np.asarray(record.layout.layer_numel, dtype=np.float64)[idx])
+            median = weighted_median(ratio[idx], np.asarray(record.layout.layer_numel, dtype=np.float64)[idx])
             if median >= self.stall_median and record.step >= TRANSIENT:
                 top = int(idx[np.argmax(ratio[idx])])
                 self._hot = (record.step, median, top, float(ratio[top]))
@@ -239,7 +239,7 @@ class LearningRate(Detector):
     def _high(self, record: StepRecord, ratio: np.ndarray, moving: np.ndarray, lr: float | None,
               raised: bool, own: bool) -> list[Finding]:
         idx = np.flatnonzero(moving)
-        median = _weighted_median(ratio[idx], np.asarray(record.layout.layer_numel, dtype=np.float64)[idx])
+        median = weighted_median(ratio[idx], np.asarray(record.layout.layer_numel, dtype=np.float64)[idx])
         top = int(idx[np.argmax(ratio[idx])])
         largest = float(ratio[top])
         # raised by hand (or a schedule restart) since the previous sampled step, the updates with it
@@ -319,10 +319,3 @@ class LearningRate(Detector):
         data = {"direction": "low", "evidence": "update_ratio", "update_ratio": largest, "median": median, "lr": lr,
                 "cause": "learning_rate", "hint": HINT_LOW}
         return [self.finding(record, "warning", None, message, value=largest, data=data)]
-
-
-def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
-    """The value that half of the total weight is at or above (each layer counted by its parameters)."""
-    order = np.argsort(values)
-    cum = np.cumsum(weights[order])
-    return float(values[order][min(int(np.searchsorted(cum, 0.5 * cum[-1])), len(cum) - 1)])
